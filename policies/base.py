@@ -1,0 +1,84 @@
+"""The small interface every routing policy implements, and the snapshots it decides on.
+
+A policy is one file: a class with a ``name`` and a ``decide`` method, registered in :mod:`policies.registry`.
+It sees an immutable view of the request (:class:`RouteRequest`) and of each replica (:class:`ReplicaView`), and
+returns a :class:`Decision`: where to send the request, which action to take, a short reason for the response
+header, and the numbers behind it for ``/kvgate/v1/explain``. ``ranked`` lists the replicas in the order a retry
+should try them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol, Sequence
+
+from cache_index.match import PrefixMatch
+
+Action = Literal["route", "transfer"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the router knows of a request once it is parsed and tokenized."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    block_size: int
+    approximate: bool = False
+    """Token ids were estimated (no tokenizer for this model): matches may be wrong, so decisions lean on load."""
+    session_id: str | None = None
+    tenant: str | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """One replica as a policy sees it, frozen at decision time."""
+
+    name: str
+    healthy: bool
+    """Passes health checks, circuit breaker closed (or half-open and admitting a probe), not draining."""
+    match: PrefixMatch
+    """Leading prompt tokens this replica holds, per tier (from the prefix index)."""
+    in_flight: int = 0
+    """Requests the router has dispatched to this replica and not yet seen complete."""
+    in_flight_prefill_tokens: int = 0
+    """Uncached prompt tokens of in-flight requests that have not produced a first token yet."""
+    scraped_waiting: int | None = None
+    """Engine-reported waiting queue (``vllm:num_requests_waiting``); None when unknown or stale."""
+    scraped_running: int | None = None
+    kv_usage: float | None = None
+    generation: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+    last_session_match: bool = False
+    """This replica served the request's session last time (a soft hint only)."""
+
+
+@dataclass(slots=True)
+class Decision:
+    replica: str
+    action: Action = "route"
+    reason: str = ""
+    """Short, for the ``x-kvgate-decision`` header and the decision metrics, e.g. ``warm``, ``idle-recompute``."""
+    source: str | None = None
+    """For ``transfer``: the warm replica the KV is pulled from."""
+    ranked: list[str] = field(default_factory=list)
+    """Every eligible replica, best first (``replica`` first); retries walk this list."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """The numbers behind the decision (per-replica predicted TTFT, queue delay...), for explain and logs."""
+
+
+class Policy(Protocol):
+    """A routing policy. Implementations keep only their own small state (a round-robin cursor, a RNG)."""
+
+    name: ClassVar[str]
+
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        """Pick a replica among ``replicas`` (all candidates, healthy or not; never pick an unhealthy one while a
+        healthy one exists). ``replicas`` is never empty."""
+        ...
+
+
+class NoHealthyReplica(Exception):
+    """Raised by the router (not by policies) when no replica can take a request."""
