@@ -45,6 +45,8 @@ class ReplicaView:
     """Requests the router has dispatched to this replica and not yet seen complete."""
     in_flight_prefill_tokens: int = 0
     """Uncached prompt tokens of in-flight requests that have not produced a first token yet."""
+    in_flight_prefilling: int = 0
+    """In-flight requests that have not produced a first token yet (the ones ``in_flight_prefill_tokens`` sums)."""
     scraped_waiting: int | None = None
     """Engine-reported waiting queue (``vllm:num_requests_waiting``); None when unknown or stale."""
     scraped_running: int | None = None

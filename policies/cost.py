@@ -1,0 +1,151 @@
+"""The ``cost`` policy (default): route each request where its predicted time to first token is lowest."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+from policies.base import Decision, ReplicaView, RouteRequest
+from policies.config import CostPolicyConfig
+from policies.cost_model import CostModel, Estimate, TransferEstimate
+from policies.explain import replica_numbers
+from policies.load import eligible, replica_load
+
+
+@dataclass(slots=True)
+class _Candidate:
+    view: ReplicaView
+    """The replica that serves the request (the transfer's destination for a transfer)."""
+    ttft_ms: float
+    score_ms: float
+    """``ttft_ms`` minus the session bonus: what candidates are compared on."""
+    load: int
+    transfer: TransferEstimate | None = None
+
+
+class CostPolicy:
+    """Per eligible replica, predict TTFT = queue delay + lower-tier load + prefill of the uncached tokens
+    (:class:`policies.cost_model.CostModel`); when a KV connector is configured, also predict pulling the best warm
+    replica's prefix to each other replica. Pick the minimum.
+
+    Near-ties — candidates within ``max(tie_margin × best, tie_margin_ms)`` of the best — go to the least-loaded
+    one, a plain route before a transfer, then at random: several routers seeing the same fleet do not all herd
+    onto the same replica, and equal cold replicas share the traffic.
+
+    Reasons: ``transfer``; ``warm`` (the chosen replica holds part of the prompt); ``idle-recompute`` (another
+    replica holds more of it, but waiting there costs more than recomputing here); ``cold`` (no replica holds any
+    of it); ``session`` (the session bonus alone made the choice).
+
+    Parameters (``policy.cost``):
+        tie_margin: 0.05 — near-tie fraction of the best predicted TTFT.
+        tie_margin_ms: 5 — absolute near-tie margin, so millisecond differences do not split hairs.
+        session_bonus_ms: 10 — credited to the replica that last served the request's session: a soft hint that
+            only decides between near-equal candidates, never a pin.
+        approximate_match_weight: 0.5 — matches from approximate token ids are credited at this fraction, and
+            approximate requests are never transferred (the prefix they would move may not be theirs).
+        cost_model: the prefill / queue / transfer estimates (its coefficients may be swapped by calibration).
+        rng: the tie-break randomness (unseeded by default, so separate routers break ties differently).
+    """
+
+    name: ClassVar[str] = "cost"
+
+    def __init__(self, config: CostPolicyConfig, cost_model: CostModel, rng: random.Random) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self._rng = rng
+
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+        cfg = self.config
+        model = self.cost_model
+        views = eligible(replicas)
+        weight = cfg.approximate_match_weight if request.approximate else 1.0
+        queues = {v.name: model.queue_delay_ms(v) for v in views}
+        estimates = {v.name: model.estimate(request, v, weight, queues[v.name]) for v in views}
+        candidates = [self._candidate(v, estimates[v.name].ttft_ms, None) for v in views]
+        if model.transfer_enabled and not request.approximate and len(views) > 1:
+            candidates += self._transfer_candidates(request, views, estimates, queues)
+
+        best_score = min(c.score_ms for c in candidates)
+        margin = max(best_score * cfg.tie_margin, cfg.tie_margin_ms)
+        near = [c for c in candidates if c.score_ms <= best_score + margin]
+        lowest_load = min(c.load for c in near)
+        near = [c for c in near if c.load == lowest_load]
+        if any(c.transfer is None for c in near):
+            near = [c for c in near if c.transfer is None]
+        chosen = self._rng.choice(near)
+
+        return Decision(
+            replica=chosen.view.name,
+            action="route" if chosen.transfer is None else "transfer",
+            reason=self._reason(chosen, candidates, estimates, margin),
+            source=chosen.transfer.source if chosen.transfer else None,
+            ranked=self._ranked(chosen, candidates),
+            details=self._details(views, estimates, candidates, chosen),
+        )
+
+    def _candidate(self, view: ReplicaView, ttft_ms: float, transfer: TransferEstimate | None) -> _Candidate:
+        bonus = self.config.session_bonus_ms if view.last_session_match else 0.0
+        return _Candidate(view, ttft_ms, ttft_ms - bonus, replica_load(view), transfer)
+
+    def _transfer_candidates(
+        self,
+        request: RouteRequest,
+        views: list[ReplicaView],
+        estimates: dict[str, Estimate],
+        queues: dict[str, float],
+    ) -> list[_Candidate]:
+        """Pull the longest healthy prefix to each other replica, where that beats serving there by recompute."""
+        healthy = [v for v in views if v.healthy]
+        if not healthy:
+            return []
+        source = max(healthy, key=lambda v: (v.match.total, -queues[v.name]))
+        found = []
+        for dest in views:
+            if dest.name == source.name:
+                continue
+            estimate = self.cost_model.transfer_estimate(
+                request, source, dest, queues[source.name], queues[dest.name]
+            )
+            if estimate is not None and estimate.ms < estimates[dest.name].ttft_ms:
+                found.append(self._candidate(dest, estimate.ms, estimate))
+        return found
+
+    def _reason(
+        self, chosen: _Candidate, candidates: list[_Candidate], estimates: dict[str, Estimate], margin: float
+    ) -> str:
+        if chosen.transfer is not None:
+            return "transfer"
+        if chosen.view.last_session_match and chosen.ttft_ms > min(c.ttft_ms for c in candidates) + margin:
+            return "session"
+        cached = estimates[chosen.view.name].cached_tokens
+        if cached > 0:
+            return "warm"
+        if any(e.cached_tokens > 0 for e in estimates.values()):
+            return "idle-recompute"
+        return "cold"
+
+    @staticmethod
+    def _ranked(chosen: _Candidate, candidates: list[_Candidate]) -> list[str]:
+        ranked = [chosen.view.name]
+        for c in sorted(candidates, key=lambda c: c.score_ms):
+            if c.view.name not in ranked:
+                ranked.append(c.view.name)
+        return ranked
+
+    @staticmethod
+    def _details(
+        views: list[ReplicaView],
+        estimates: dict[str, Estimate],
+        candidates: list[_Candidate],
+        chosen: _Candidate,
+    ) -> dict[str, object]:
+        details: dict[str, object] = {
+            "replicas": {v.name: replica_numbers(v, estimates[v.name]) for v in views},
+        }
+        transfers = [c.transfer.as_dict() for c in candidates if c.transfer is not None]
+        if transfers:
+            details["transfers"] = transfers
+        if chosen.transfer is not None:
+            details["transfer"] = chosen.transfer.as_dict()
+        return details

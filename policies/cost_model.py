@@ -1,0 +1,253 @@
+"""The service model behind the ``cost`` policy: what a request's time to first token will be on each replica.
+
+DESIGN.md ("The decision"): ``ttft(r) = queue_delay(r) + load of lower-tier hits + prefill_ms(uncached tokens)``.
+Everything here is arithmetic on a :class:`ReplicaView` snapshot, cheap enough to run for every replica on every
+request. The prefill coefficients are the policy file's (per model) and are swapped by the router when
+:class:`policies.calibration.Calibrator` refines them (assign :attr:`CostModel.prefill`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from policies.base import ReplicaView, RouteRequest
+from policies.config import KvgateConfig, ModelConfig, PrefillCost, TransferConfig
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Predicted time to first token of one request on one replica, and its parts (all in ms)."""
+
+    queue_delay_ms: float
+    prefill_ms: float
+    """Prefill of the tokens the replica does not hold, including the per-request fixed cost."""
+    load_ms: float
+    """Loading the prefix tokens held in CPU / storage tiers back onto the GPU."""
+    ttft_ms: float
+    cached_tokens: int
+    """Prompt tokens credited as cached (after the approximate-match weight), all tiers."""
+    cached_tokens_by_tier: dict[str, int]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "queue_delay_ms": round(self.queue_delay_ms, 3),
+            "predicted_ttft_ms": round(self.ttft_ms, 3),
+            "prefill_ms": round(self.prefill_ms, 3),
+            "load_ms": round(self.load_ms, 3),
+            "cached_tokens": self.cached_tokens,
+            "cached_tokens_by_tier": self.cached_tokens_by_tier,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TransferEstimate:
+    """Predicted TTFT of serving a request on ``dest`` with KV pulled from ``source`` (vLLM NixlConnector).
+
+    The handshake is two requests in sequence: a prefill-only request on the source (it waits in the source's
+    queue like any other, then prefills whatever the source does not hold), then the client's request on the
+    destination, which waits in the destination's queue, pulls the KV blocks it lacks over the link and runs one
+    engine step to produce the first token. Summing the legs is deliberately conservative: a transfer is the
+    riskiest action (two replicas, a network link), so it must win clearly to be chosen.
+    """
+
+    source: str
+    dest: str
+    tokens: int
+    """Prompt tokens whose KV crosses the link (everything the destination does not already hold)."""
+    saved_tokens: int
+    """Prefix tokens the destination gets without recomputing them anywhere (source's prefix beyond its own)."""
+    bytes: int
+    source_queue_ms: float
+    source_prefill_ms: float
+    wire_ms: float
+    """Link setup + bytes / bandwidth."""
+    dest_queue_ms: float
+    dest_step_ms: float
+    ms: float
+    """The whole thing: the predicted time to first token."""
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "source": self.source,
+            "dest": self.dest,
+            "tokens": self.tokens,
+            "saved_tokens": self.saved_tokens,
+            "bytes": self.bytes,
+            "source_queue_ms": round(self.source_queue_ms, 3),
+            "source_prefill_ms": round(self.source_prefill_ms, 3),
+            "wire_ms": round(self.wire_ms, 3),
+            "dest_queue_ms": round(self.dest_queue_ms, 3),
+            "dest_step_ms": round(self.dest_step_ms, 3),
+            "predicted_ttft_ms": round(self.ms, 3),
+        }
+
+
+class CostModel:
+    """Prefill, queue-delay and transfer estimates for one model.
+
+    Parameters:
+        prefill: ``prefill_ms(n) = fixed_ms + per_token_ms·n + quadratic_ms·n²/1e6``.
+        tier_load_ms_per_token: cost of using a token held in a lower tier (``"cpu"``, ``"storage"``) instead of
+            the GPU; a tier missing here is credited as if it were recomputed.
+        transfer: the KV link between replicas; transfers are estimated only when its connector is not ``"none"``.
+        kv_bytes_per_token: KV size of one token (all layers), for transfer bytes.
+        default_prompt_tokens: prompt length assumed for queued requests the router knows nothing about (other
+            routers' traffic seen only in the engine's scraped waiting queue).
+    """
+
+    def __init__(
+        self,
+        prefill: PrefillCost,
+        tier_load_ms_per_token: Mapping[str, float],
+        transfer: TransferConfig,
+        kv_bytes_per_token: int,
+        default_prompt_tokens: int = 1024,
+    ) -> None:
+        self.prefill = prefill
+        self.tier_load_ms_per_token = dict(tier_load_ms_per_token)
+        self.transfer = transfer
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.default_prompt_tokens = default_prompt_tokens
+
+    @classmethod
+    def from_config(cls, config: KvgateConfig, model: str | None = None) -> "CostModel":
+        """The cost model of ``model`` (its ``models[]`` entry, else the first model, else the defaults)."""
+        chosen = (config.model(model) if model is not None else None) or next(iter(config.models), ModelConfig(name=""))
+        return cls(chosen.prefill, config.policy.tier_load_ms_per_token, config.transfer, chosen.kv_bytes_per_token)
+
+    @property
+    def transfer_enabled(self) -> bool:
+        return self.transfer.connector != "none"
+
+    def prefill_ms(self, tokens: int, context: int = 0) -> float:
+        """Prefill time of ``tokens`` new tokens after ``context`` cached ones.
+
+        The fixed cost applies to every request (even a full cache hit runs one engine step). The quadratic
+        term is attention's share: new tokens attend to the whole context, so it grows with
+        ``(context + tokens)² − context²``.
+        """
+        p = self.prefill
+        if tokens <= 0:
+            return p.fixed_ms
+        quadratic = p.quadratic_ms * ((context + tokens) ** 2 - context**2) / 1e6 if p.quadratic_ms else 0.0
+        return p.fixed_ms + p.per_token_ms * tokens + quadratic
+
+    def queue_delay_ms(self, view: ReplicaView) -> float:
+        """Work ahead of a new request on ``view``'s replica, in ms. Three parts:
+
+        * the router's own requests still prefilling there (``in_flight_prefilling`` requests holding
+          ``in_flight_prefill_tokens`` uncached tokens): each costs the fixed cost, all their tokens cost per-token
+          (the quadratic term uses their mean length);
+        * requests in the engine's scraped waiting queue beyond the router's own (other routers' traffic, or
+          requests the router no longer tracks), each costed as a mean prefill: the router's own mean when it has
+          requests there, else ``default_prompt_tokens``;
+        * decode interference: a running sequence adds about ``decode_ms_per_token`` to every engine step, and the
+          new request's prefill shares its step with them (small; zero when ``decode_ms_per_token`` is 0).
+
+        Decoding requests do not otherwise block a prefill (continuous batching admits it at the next step).
+        """
+        p = self.prefill
+        prefilling = view.in_flight_prefilling
+        tokens = view.in_flight_prefill_tokens
+        if tokens > 0 and prefilling == 0:
+            prefilling = 1
+        own = 0.0
+        if prefilling:
+            mean_tokens = tokens / prefilling
+            own = prefilling * self.prefill_ms(round(mean_tokens)) if mean_tokens >= 1 else prefilling * p.fixed_ms
+        else:
+            mean_tokens = float(self.default_prompt_tokens)
+        foreign = 0.0
+        if view.scraped_waiting:
+            unknown = view.scraped_waiting - prefilling
+            if unknown > 0:
+                foreign = unknown * self.prefill_ms(round(mean_tokens))
+        running = view.scraped_running if view.scraped_running is not None else view.in_flight - prefilling
+        decode = max(running, 0) * p.decode_ms_per_token
+        return own + foreign + decode
+
+    def estimate(
+        self,
+        request: RouteRequest,
+        view: ReplicaView,
+        match_weight: float = 1.0,
+        queue_delay_ms: float | None = None,
+    ) -> Estimate:
+        """Predicted TTFT of ``request`` on ``view``'s replica.
+
+        Cached tokens are credited per tier: GPU and predicted tokens (a just-routed prompt, about to be on the
+        GPU) are free, CPU / storage tokens cost their load time. At most ``prompt_tokens - 1`` are credited:
+        the engine always computes the last prompt token. ``match_weight`` < 1 discounts matches computed from
+        approximate token ids. Callers that already computed the replica's queue delay may pass it in.
+        """
+        queue_ms = self.queue_delay_ms(view) if queue_delay_ms is None else queue_delay_ms
+        match = view.match
+        room = max(request.prompt_tokens - 1, 0)
+        gpu = min(int((match.gpu + match.predicted) * match_weight), room)
+        cpu = min(int(match.cpu * match_weight), room - gpu)
+        storage = min(int(match.storage * match_weight), room - gpu - cpu)
+        cached = gpu + cpu + storage
+        load_ms = self._load_ms(cpu, storage)
+        prefill = self.prefill_ms(request.prompt_tokens - cached, context=cached)
+        return Estimate(
+            queue_delay_ms=queue_ms,
+            prefill_ms=prefill,
+            load_ms=load_ms,
+            ttft_ms=queue_ms + load_ms + prefill,
+            cached_tokens=cached,
+            cached_tokens_by_tier={"gpu": gpu, "cpu": cpu, "storage": storage},
+        )
+
+    def _load_ms(self, cpu_tokens: int, storage_tokens: int) -> float:
+        per_token = self.prefill.per_token_ms
+        cpu_rate = self.tier_load_ms_per_token.get("cpu", per_token)
+        storage_rate = self.tier_load_ms_per_token.get("storage", per_token)
+        return cpu_tokens * cpu_rate + storage_tokens * storage_rate
+
+    def transfer_estimate(
+        self,
+        request: RouteRequest,
+        source: ReplicaView,
+        dest: ReplicaView,
+        source_queue_ms: float | None = None,
+        dest_queue_ms: float | None = None,
+    ) -> TransferEstimate | None:
+        """Predicted TTFT of pulling ``source``'s cached prefix to ``dest`` (see :class:`TransferEstimate`).
+
+        None when no connector is configured, the source is unhealthy or is the destination, or the prefix the
+        destination would gain is shorter than ``transfer.min_tokens`` (setup dominates). Callers that already
+        computed the replicas' queue delays may pass them in.
+        """
+        if not self.transfer_enabled or not source.healthy or source.name == dest.name:
+            return None
+        room = max(request.prompt_tokens - 1, 0)
+        source_cached = min(source.match.total, room)
+        dest_cached = min(dest.match.total, room)
+        saved = source_cached - dest_cached
+        if saved <= 0 or saved < self.transfer.min_tokens:
+            return None
+        src_queue = self.queue_delay_ms(source) if source_queue_ms is None else source_queue_ms
+        dst_queue = self.queue_delay_ms(dest) if dest_queue_ms is None else dest_queue_ms
+        source_prefill = self._load_ms(source.match.cpu, source.match.storage) + self.prefill_ms(
+            request.prompt_tokens - source_cached, context=source_cached
+        )
+        tokens = request.prompt_tokens - dest_cached
+        nbytes = tokens * self.kv_bytes_per_token
+        wire = self.transfer.setup_ms + nbytes / (self.transfer.bandwidth_gib_s * GIB) * 1000.0
+        dest_step = self.prefill.fixed_ms
+        return TransferEstimate(
+            source=source.name,
+            dest=dest.name,
+            tokens=tokens,
+            saved_tokens=saved,
+            bytes=nbytes,
+            source_queue_ms=src_queue,
+            source_prefill_ms=source_prefill,
+            wire_ms=wire,
+            dest_queue_ms=dst_queue,
+            dest_step_ms=dest_step,
+            ms=src_queue + source_prefill + wire + dst_queue + dest_step,
+        )

@@ -1,0 +1,25 @@
+"""The numbers behind a decision, per replica, whatever policy made it (for ``/kvgate/v1/explain`` and logs)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from policies.base import ReplicaView, RouteRequest
+from policies.cost_model import CostModel, Estimate
+from policies.load import replica_load
+
+
+def replica_numbers(view: ReplicaView, estimate: Estimate) -> dict[str, object]:
+    """One replica's row: the cost model's estimate plus its health and load."""
+    return {**estimate.as_dict(), "healthy": view.healthy, "load": replica_load(view)}
+
+
+def explain_replicas(
+    request: RouteRequest, replicas: Sequence[ReplicaView], cost_model: CostModel, match_weight: float = 1.0
+) -> dict[str, dict[str, object]]:
+    """Per replica ``{queue_delay_ms, predicted_ttft_ms, cached_tokens, ...}`` as the cost model sees it.
+
+    The ``cost`` policy puts exactly these rows in ``Decision.details["replicas"]``; for the other policies the
+    router calls this so explain shows what the cost model would have predicted for their choice.
+    """
+    return {v.name: replica_numbers(v, cost_model.estimate(request, v, match_weight)) for v in replicas}

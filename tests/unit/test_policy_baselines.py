@@ -1,0 +1,92 @@
+"""The registry and the baseline policies (round_robin, least_loaded, prefix_affinity) on constructed fleets."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from cache_index.match import PrefixMatch
+from policies.base import ReplicaView, RouteRequest
+from policies.config import KvgateConfig, PrefixAffinityConfig
+from policies.cost_model import CostModel
+from policies.least_loaded import LeastLoadedPolicy
+from policies.prefix_affinity import PrefixAffinityPolicy
+from policies.registry import POLICY_NAMES, create_policy
+from policies.round_robin import RoundRobinPolicy
+
+REQUEST = RouteRequest(request_id="r", model="m", prompt_tokens=1000, block_size=16)
+
+
+def replica(name: str, *, healthy: bool = True, gpu: int = 0, in_flight: int = 0, **kw: object) -> ReplicaView:
+    return ReplicaView(name=name, healthy=healthy, match=PrefixMatch(gpu=gpu), in_flight=in_flight, **kw)
+
+
+def test_registry_builds_every_named_policy() -> None:
+    config = KvgateConfig()
+    for name in POLICY_NAMES:
+        policy = create_policy(name, config, CostModel.from_config(config), random.Random(0))
+        assert policy.name == name
+        assert policy.decide(REQUEST, [replica("a"), replica("b")]).replica in {"a", "b"}
+
+
+def test_registry_rejects_unknown_name() -> None:
+    config = KvgateConfig()
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        create_policy("fastest", config, CostModel.from_config(config))
+
+
+def test_round_robin_cycles_and_skips_unhealthy() -> None:
+    policy = RoundRobinPolicy()
+    fleet = [replica("a"), replica("b", healthy=False), replica("c")]
+    picks = [policy.decide(REQUEST, fleet).replica for _ in range(4)]
+    assert picks == ["a", "c", "a", "c"]
+    decision = policy.decide(REQUEST, fleet)
+    assert decision.ranked == ["a", "c"] and decision.reason == "round-robin"
+
+
+def test_unhealthy_fleet_still_gets_a_replica() -> None:
+    fleet = [replica("a", healthy=False), replica("b", healthy=False)]
+    decision = LeastLoadedPolicy(random.Random(0)).decide(REQUEST, fleet)
+    assert decision.replica in {"a", "b"} and sorted(decision.ranked) == ["a", "b"]
+
+
+def test_least_loaded_uses_scraped_queue_and_breaks_ties_randomly() -> None:
+    policy = LeastLoadedPolicy(random.Random(1))
+    fleet = [
+        replica("a", in_flight=1, scraped_waiting=5, scraped_running=2),
+        replica("b", in_flight=3),
+        replica("c", in_flight=3, scraped_waiting=0, scraped_running=1),
+        replica("d", healthy=False),
+    ]
+    counts = Counter(policy.decide(REQUEST, fleet).replica for _ in range(200))
+    assert set(counts) == {"b", "c"} and min(counts.values()) > 50
+    decision = policy.decide(REQUEST, fleet)
+    assert decision.ranked[-1] == "a" and "d" not in decision.ranked
+
+
+def test_prefix_affinity_follows_match_above_threshold() -> None:
+    policy = PrefixAffinityPolicy(PrefixAffinityConfig(), random.Random(0))
+    fleet = [replica("a", gpu=400, in_flight=10), replica("b", gpu=100)]
+    decision = policy.decide(REQUEST, fleet)
+    assert (decision.replica, decision.reason) == ("a", "affinity")
+
+
+def test_prefix_affinity_low_match_goes_least_loaded() -> None:
+    policy = PrefixAffinityPolicy(PrefixAffinityConfig(), random.Random(0))
+    fleet = [replica("a", gpu=300, in_flight=10), replica("b")]
+    decision = policy.decide(REQUEST, fleet)
+    assert (decision.replica, decision.reason) == ("b", "least-loaded")
+
+
+def test_prefix_affinity_switches_to_least_loaded_when_imbalanced() -> None:
+    policy = PrefixAffinityPolicy(PrefixAffinityConfig(), random.Random(0))
+    # max - min must exceed 64 AND max must exceed 1.5 x min.
+    balanced_abs = [replica("a", gpu=900, in_flight=64), replica("b", in_flight=0)]
+    assert policy.decide(REQUEST, balanced_abs).reason == "affinity"
+    balanced_rel = [replica("a", gpu=900, in_flight=200), replica("b", in_flight=134)]
+    assert policy.decide(REQUEST, balanced_rel).reason == "affinity"
+    imbalanced = [replica("a", gpu=900, in_flight=65), replica("b", in_flight=0)]
+    decision = policy.decide(REQUEST, imbalanced)
+    assert (decision.replica, decision.reason) == ("b", "imbalanced")
