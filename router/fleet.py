@@ -1,0 +1,348 @@
+"""The live replica set: who is up, who is draining, and how busy each replica is right now.
+
+Everything here runs on the gateway's one asyncio loop, so state is plain attributes with no locks. Each replica has
+two background tasks: an active health probe (``/health`` plus a ``/v1/models`` refresh) and a ``/metrics`` scrape.
+Load the router causes itself is counted exactly and synchronously: :meth:`Fleet.dispatch` adds a request and its
+uncached prompt tokens, the returned :class:`LoadTicket` removes the prompt tokens at the first token and the request
+at the end. Scraped engine numbers add what the router cannot see (requests that bypassed it) and are ignored once
+older than ``scrape.stale_after_ms``.
+
+Listeners hear about replicas appearing, disappearing and being reset; a reset means the replica's cached state is in
+doubt (it was down and came back, or it was drained), so the prefix index forgets what it knew about it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+import aiohttp
+
+from cache_index.match import PrefixMatch
+from policies.base import ReplicaView
+from policies.config import KvgateConfig, ReplicaConfig
+from router.breaker import CircuitBreaker
+from router.health import HealthState, fetch_models, probe_health
+from router.scrape import ScrapedLoad, scrape_metrics
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_CAP_S = 1.0
+"""A /metrics answer slower than this is useless for 100 ms load tracking."""
+
+
+class Replica:
+    """One engine replica and everything the router knows about it."""
+
+    def __init__(self, config: ReplicaConfig, breaker: CircuitBreaker) -> None:
+        self.config = config
+        self.breaker = breaker
+        self.healthy = False
+        self.draining = False
+        self.in_flight = 0
+        self.in_flight_prefill_tokens = 0
+        self.scraped: ScrapedLoad | None = None
+        self.served_models: list[dict[str, Any]] = []
+        self.generation = 0
+        self.health = HealthState()
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def routable(self) -> bool:
+        return self.healthy and not self.draining and self.breaker.allow()
+
+    def __repr__(self) -> str:
+        return f"Replica({self.name!r}, healthy={self.healthy}, draining={self.draining}, in_flight={self.in_flight})"
+
+
+class LoadTicket:
+    """The load one dispatched request puts on its replica, released exactly once."""
+
+    __slots__ = ("replica", "_prefill_tokens", "_finished")
+
+    def __init__(self, replica: Replica, prefill_tokens: int) -> None:
+        self.replica = replica
+        self._prefill_tokens = prefill_tokens
+        self._finished = False
+        replica.in_flight += 1
+        replica.in_flight_prefill_tokens += prefill_tokens
+        replica.breaker.on_dispatch()
+
+    def first_token(self) -> None:
+        """The prefill is done: its tokens no longer wait on the replica. Idempotent."""
+        self.replica.in_flight_prefill_tokens -= self._prefill_tokens
+        self._prefill_tokens = 0
+
+    def finish(self, ok: bool) -> None:
+        """The request is over. ``ok=False`` only for replica faults (connect error, timeout, 5xx): it counts toward
+        opening the breaker. Idempotent: only the first call counts."""
+        if self._finished:
+            return
+        self._finished = True
+        self.first_token()
+        self.replica.in_flight -= 1
+        if ok:
+            self.replica.breaker.record_success()
+        else:
+            self.replica.breaker.record_failure()
+
+
+class FleetListener:
+    """Override what you need; the prefix index subscribes to replicas through these."""
+
+    def on_added(self, replica: Replica) -> None:
+        """A replica joined (from the config file, a reload or the admin API)."""
+
+    def on_removed(self, name: str) -> None:
+        """A replica left the fleet."""
+
+    def on_reset(self, name: str, reason: str) -> None:
+        """The replica's cached state is in doubt (``recovered``, ``drained``): forget it."""
+
+
+class Fleet:
+    def __init__(
+        self, config: KvgateConfig, session: aiohttp.ClientSession, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.session = session
+        self.clock = clock
+        self.replicas: dict[str, Replica] = {}
+        self.listeners: list[FleetListener] = []
+        self._from_config: set[str] = set()
+        """Replicas the policy file owns; admin-added ones survive reloads that do not mention them."""
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._started = False
+        for cfg in config.replicas:
+            self._insert(cfg)
+            self._from_config.add(cfg.name)
+
+    # lifecycle
+
+    async def start(self) -> None:
+        """Announce the file's replicas to the listeners registered so far (``on_added``), probe each once (health,
+        models, metrics) so the first request sees real state, then loop. Listeners added after ``start()`` read
+        ``replicas`` for what already exists."""
+        self._started = True
+        initial = list(self.replicas.values())
+        for replica in initial:
+            self._notify("on_added", replica)
+        await asyncio.gather(*(self._first_look(r) for r in initial))
+        for replica in initial:
+            if self.replicas.get(replica.name) is replica:
+                self._spawn_loops(replica)
+
+    async def stop(self) -> None:
+        self._started = False
+        for name in list(self._tasks):
+            self._cancel_loops(name)
+        await self._await_cancelled()
+
+    # reading
+
+    def view(self, name: str, match: PrefixMatch, *, session_match: bool = False) -> ReplicaView:
+        r = self.replicas[name]
+        scraped = self.fresh_scrape(r)
+        return ReplicaView(
+            name=r.name,
+            healthy=r.routable(),
+            match=match,
+            in_flight=r.in_flight,
+            in_flight_prefill_tokens=r.in_flight_prefill_tokens,
+            scraped_waiting=None if scraped is None else scraped.waiting,
+            scraped_running=None if scraped is None else scraped.running,
+            kv_usage=None if scraped is None else scraped.kv_usage,
+            generation=r.generation,
+            labels=dict(r.config.labels),
+            last_session_match=session_match,
+        )
+
+    def fresh_scrape(self, replica: Replica) -> ScrapedLoad | None:
+        """The replica's scraped numbers, or None when there are none younger than ``scrape.stale_after_ms``."""
+        s = replica.scraped
+        if s is None or (self.clock() - s.at) * 1000.0 > self.config.scrape.stale_after_ms:
+            return None
+        return s
+
+    def routable(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.routable()]
+
+    def models(self) -> list[dict[str, Any]]:
+        """Union of the healthy replicas' ``/v1/models`` entries, first seen wins per id."""
+        seen: dict[str, dict[str, Any]] = {}
+        for r in self.replicas.values():
+            if r.healthy:
+                for m in r.served_models:
+                    seen.setdefault(m["id"], m)
+        return list(seen.values())
+
+    def base_model_of(self, model: str) -> tuple[str, str | None]:
+        """(base model, LoRA name or None). vLLM lists a LoRA adapter as its own model whose ``parent`` is the base."""
+        for r in self.replicas.values():
+            for m in r.served_models:
+                if m["id"] == model:
+                    parent = m.get("parent")
+                    if isinstance(parent, str) and parent and parent != model:
+                        return parent, model
+                    return model, None
+        return model, None
+
+    # load accounting and passive health
+
+    def dispatch(self, name: str, prefill_tokens: int) -> LoadTicket:
+        return LoadTicket(self.replicas[name], max(0, prefill_tokens))
+
+    def record_failure(self, name: str) -> None:
+        r = self.replicas.get(name)
+        if r is not None:
+            r.breaker.record_failure()
+
+    def record_success(self, name: str) -> None:
+        r = self.replicas.get(name)
+        if r is not None:
+            r.breaker.record_success()
+
+    # membership
+
+    def add(self, cfg: ReplicaConfig) -> Replica:
+        """Add a replica at runtime; it takes traffic once its first health probe passes. ``ValueError`` if the name
+        is taken."""
+        if cfg.name in self.replicas:
+            raise ValueError(f"replica {cfg.name!r} already exists")
+        replica = self._insert(cfg)
+        if self._started:
+            self._spawn_loops(replica, first_look=True)
+        return replica
+
+    def drain(self, name: str) -> None:
+        """No new requests go to the replica; in-flight ones finish. ``KeyError`` if unknown."""
+        replica = self.replicas[name]
+        if replica.draining:
+            return
+        replica.draining = True
+        self._notify("on_reset", name, "drained")
+
+    async def remove(self, name: str) -> None:
+        """Take the replica out now (``KeyError`` if unknown). In-flight requests keep their own connection and
+        finish; only the background probes stop."""
+        self._detach(name)
+        await self._await_cancelled()
+
+    def apply_config(self, config: KvgateConfig) -> None:
+        """A reloaded policy file: add, remove and update the replicas it owns; intervals and breaker thresholds take
+        effect at each loop's next step. A replica whose endpoints changed is replaced (its cached state is another
+        engine's)."""
+        old = {name: self.replicas[name].config for name in self._from_config if name in self.replicas}
+        new = {cfg.name: cfg for cfg in config.replicas}
+        self.config = config
+        for r in self.replicas.values():
+            r.breaker.config = config.breaker
+        for name in old.keys() - new.keys():
+            self._detach(name)
+        for name, cfg in new.items():
+            current = self.replicas.get(name)
+            if current is None:
+                self.add(cfg)
+            elif _same_engine(current.config, cfg):
+                current.config = cfg
+            else:
+                self._detach(name)
+                self.add(cfg)
+        self._from_config = set(new)
+
+    # internals
+
+    def _insert(self, cfg: ReplicaConfig) -> Replica:
+        replica = Replica(cfg, CircuitBreaker(self.config.breaker, self.clock))
+        self.replicas[cfg.name] = replica
+        if self._started:
+            self._notify("on_added", replica)
+        return replica
+
+    def _detach(self, name: str) -> None:
+        del self.replicas[name]
+        self._from_config.discard(name)
+        self._cancel_loops(name)
+        if self._started:
+            self._notify("on_removed", name)
+
+    def _spawn_loops(self, replica: Replica, first_look: bool = False) -> None:
+        self._tasks[replica.name] = [
+            asyncio.create_task(self._health_loop(replica, first_look), name=f"health:{replica.name}"),
+            asyncio.create_task(self._scrape_loop(replica), name=f"scrape:{replica.name}"),
+        ]
+
+    def _cancel_loops(self, name: str) -> None:
+        for task in self._tasks.pop(name, []):
+            task.cancel()
+            self._stopping.add(task)
+
+    async def _await_cancelled(self) -> None:
+        tasks, self._stopping = self._stopping, set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _first_look(self, replica: Replica) -> None:
+        await asyncio.gather(self._check_health(replica), self._scrape(replica))
+
+    async def _health_loop(self, replica: Replica, first_look: bool) -> None:
+        if first_look:
+            await self._first_look(replica)
+        while True:
+            await asyncio.sleep(self.config.health.interval_s)
+            try:
+                await self._check_health(replica)
+            except Exception:  # a bug in one probe must not end the loop for good
+                log.exception("health check of %s failed unexpectedly", replica.name)
+
+    async def _scrape_loop(self, replica: Replica) -> None:
+        while True:
+            await asyncio.sleep(self.config.scrape.interval_ms / 1000.0)
+            if replica.healthy:
+                await self._scrape(replica)
+
+    async def _scrape(self, replica: Replica) -> None:
+        timeout = min(SCRAPE_TIMEOUT_CAP_S, self.config.scrape.stale_after_ms / 2000.0)
+        load = await scrape_metrics(self.session, replica.url, timeout, self.clock)
+        if load is not None:
+            replica.scraped = load
+
+    async def _check_health(self, replica: Replica) -> None:
+        health = self.config.health
+        ok = await probe_health(self.session, replica.url, health.timeout_s)
+        if ok:
+            models = await fetch_models(self.session, replica.url, health.timeout_s)
+            if models is not None:
+                replica.served_models = models
+        was_down = replica.health.up is False
+        transition = replica.health.observe(ok, health)
+        if transition is None or self.replicas.get(replica.name) is not replica:
+            return
+        replica.healthy = transition == "up"
+        if transition == "down":
+            log.warning("replica %s marked down (health checks failing)", replica.name)
+        elif was_down:
+            replica.generation += 1
+            replica.breaker.reset()
+            log.warning("replica %s recovered: generation %d", replica.name, replica.generation)
+            self._notify("on_reset", replica.name, "recovered")
+
+    def _notify(self, event: str, *args: Any) -> None:
+        for listener in list(self.listeners):
+            try:
+                getattr(listener, event)(*args)
+            except Exception:  # one broken listener must not break the fleet or the others
+                log.exception("fleet listener %r failed on %s", listener, event)
+
+
+def _same_engine(a: ReplicaConfig, b: ReplicaConfig) -> bool:
+    """Same engine and event stream behind both configs (only labels may change in place)."""
+    return (a.url, a.engine, a.kv_events, a.kv_replay, a.kv_topic) == (b.url, b.engine, b.kv_events, b.kv_replay, b.kv_topic)

@@ -1,0 +1,123 @@
+"""The engine's own load numbers, scraped from its Prometheus ``/metrics``.
+
+vLLM and SGLang both expose their queue depth and KV usage as Prometheus gauges; routers that scrape them (llm-d's
+EPP every 50 ms, production-stack every 30 s) see the engine's real queue, including requests that bypassed the
+router. kvgate scrapes every ``scrape.interval_ms`` (100 ms by default), so parsing must stay cheap: a vLLM
+``/metrics`` page is mostly histogram buckets, so lines are filtered down to the handful of wanted families before
+``prometheus_client``'s parser sees them.
+
+Data-parallel engines report one sample per ``engine`` (vLLM) or rank (SGLang); queue counts are summed over them
+and usage fractions averaged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage")
+VLLM_CACHE_INFO = "vllm:cache_config_info"
+SGLANG_PAGE_SIZE = "sglang:page_size"
+
+WANTED_FAMILIES = frozenset((*WAITING, *RUNNING, *KV_USAGE, VLLM_CACHE_INFO, SGLANG_PAGE_SIZE))
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapedLoad:
+    """One scrape of one engine; ``at`` is the router's monotonic clock when the response arrived."""
+
+    at: float
+    waiting: int | None = None
+    running: int | None = None
+    kv_usage: float | None = None
+    """Fraction 0..1 of KV cache in use."""
+    block_size: int | None = None
+    """Engine KV block (SGLang: page) size, when the engine reports it."""
+    num_gpu_blocks: int | None = None
+
+
+def _wanted_lines(text: str) -> str:
+    """Keep only the samples and ``# HELP``/``# TYPE`` lines of the wanted families (everything else costs time)."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[2] in WANTED_FAMILIES:
+                kept.append(line)
+            continue
+        end = len(line)
+        for sep in ("{", " "):
+            i = line.find(sep)
+            if 0 <= i < end:
+                end = i
+        if line[:end] in WANTED_FAMILIES:
+            kept.append(line)
+    kept.append("")
+    return "\n".join(kept)
+
+
+def parse_metrics(text: str, at: float) -> ScrapedLoad:
+    """Parse an engine's ``/metrics`` text (vLLM or SGLang names). Raises ``ValueError`` on malformed text."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    for family in text_string_to_metric_families(_wanted_lines(text)):
+        for sample in family.samples:
+            if sample.name == VLLM_CACHE_INFO:
+                block_size = _int_label(sample.labels, "block_size", block_size)
+                num_gpu_blocks = _int_label(sample.labels, "num_gpu_blocks", num_gpu_blocks)
+            elif sample.name == SGLANG_PAGE_SIZE:
+                block_size = int(sample.value)
+            elif sample.name in WANTED_FAMILIES:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+                counts[sample.name] = counts.get(sample.name, 0) + 1
+    waiting = _first(sums, WAITING)
+    running = _first(sums, RUNNING)
+    usage_name = next((n for n in KV_USAGE if n in sums), None)
+    return ScrapedLoad(
+        at=at,
+        waiting=None if waiting is None else int(waiting),
+        running=None if running is None else int(running),
+        kv_usage=None if usage_name is None else sums[usage_name] / counts[usage_name],
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+    )
+
+
+def _first(sums: dict[str, float], names: tuple[str, ...]) -> float | None:
+    return next((sums[n] for n in names if n in sums), None)
+
+
+def _int_label(labels: dict[str, str], key: str, default: int | None) -> int | None:
+    try:
+        return int(labels[key])
+    except (KeyError, ValueError):
+        return default
+
+
+async def scrape_metrics(
+    session: aiohttp.ClientSession, base_url: str, timeout_s: float, clock: Callable[[], float]
+) -> ScrapedLoad | None:
+    """GET ``{base_url}/metrics`` and parse it; ``None`` when the engine does not answer or answers garbage."""
+    try:
+        async with session.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as e:
+        log.debug("scrape %s failed: %r", base_url, e)
+        return None
+    try:
+        return parse_metrics(text, clock())
+    except ValueError as e:
+        log.debug("scrape %s: unparseable /metrics: %s", base_url, e)
+        return None

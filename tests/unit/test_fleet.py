@@ -1,0 +1,262 @@
+"""Fleet: load accounting, views and staleness, membership and reload diffing, and the health/scrape loops against a
+real aiohttp engine stand-in on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from cache_index.match import PrefixMatch
+from policies.config import KvgateConfig, ReplicaConfig, parse_config
+from router.fleet import Fleet, FleetListener, Replica
+from router.scrape import ScrapedLoad
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+"""
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Recorder(FleetListener):
+    events: list[tuple[str, ...]] = field(default_factory=list)
+
+    def on_added(self, replica: Replica) -> None:
+        self.events.append(("added", replica.name))
+
+    def on_removed(self, name: str) -> None:
+        self.events.append(("removed", name))
+
+    def on_reset(self, name: str, reason: str) -> None:
+        self.events.append(("reset", name, reason))
+
+
+def config(*names: str, extra: str = "") -> KvgateConfig:
+    replicas = "".join(f"  - {{name: {n}, url: 'http://127.0.0.1:9/{n}'}}\n" for n in names)
+    return parse_config(f"replicas:\n{replicas}{extra}" if names else extra)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_ticket_accounting_is_exact_and_idempotent(session: aiohttp.ClientSession) -> None:
+    fleet = Fleet(config("a"), session)
+    r = fleet.replicas["a"]
+    t1 = fleet.dispatch("a", 100)
+    t2 = fleet.dispatch("a", 50)
+    assert (r.in_flight, r.in_flight_prefill_tokens) == (2, 150)
+    t1.first_token()
+    t1.first_token()
+    assert (r.in_flight, r.in_flight_prefill_tokens) == (2, 50)
+    t1.finish(ok=True)
+    t1.finish(ok=False)
+    assert (r.in_flight, r.in_flight_prefill_tokens) == (1, 50)
+    assert r.breaker.consecutive_failures == 0
+    t2.finish(ok=False)  # finish without first token releases the prefill tokens too
+    assert (r.in_flight, r.in_flight_prefill_tokens) == (0, 0)
+    assert r.breaker.consecutive_failures == 1
+
+
+async def test_failed_tickets_open_the_breaker(session: aiohttp.ClientSession) -> None:
+    fleet = Fleet(config("a", extra="breaker: {failures_to_open: 2, open_s: 5}\n"), session)
+    r = fleet.replicas["a"]
+    r.healthy = True
+    for _ in range(2):
+        fleet.dispatch("a", 10).finish(ok=False)
+    assert r.breaker.state == "open"
+    assert not r.routable()
+    assert fleet.routable() == []
+
+
+async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> None:
+    clock = FakeClock()
+    fleet = Fleet(config("a", extra="scrape: {stale_after_ms: 500}\n"), session, clock=clock)
+    r = fleet.replicas["a"]
+    r.healthy = True
+    r.scraped = ScrapedLoad(at=clock.now, waiting=4, running=2, kv_usage=0.5)
+    fleet.dispatch("a", 30)
+    v = fleet.view("a", PrefixMatch(gpu=16), session_match=True)
+    assert v.healthy and v.match.gpu == 16 and v.last_session_match
+    assert (v.in_flight, v.in_flight_prefill_tokens) == (1, 30)
+    assert (v.scraped_waiting, v.scraped_running, v.kv_usage) == (4, 2, 0.5)
+    clock.now += 0.6
+    v = fleet.view("a", PrefixMatch())
+    assert (v.scraped_waiting, v.scraped_running, v.kv_usage) == (None, None, None)
+    assert v.in_flight == 1
+
+
+async def test_drain_stops_routing_and_resets(session: aiohttp.ClientSession) -> None:
+    fleet = Fleet(config("a", "b"), session)
+    rec = Recorder()
+    fleet.listeners.append(rec)
+    for r in fleet.replicas.values():
+        r.healthy = True
+    fleet.drain("a")
+    fleet.drain("a")
+    assert [r.name for r in fleet.routable()] == ["b"]
+    assert not fleet.view("a", PrefixMatch()).healthy
+    assert rec.events == [("reset", "a", "drained")]
+    with pytest.raises(KeyError):
+        fleet.drain("nope")
+
+
+async def test_models_union_and_lora_base(session: aiohttp.ClientSession) -> None:
+    fleet = Fleet(config("a", "b", "c"), session)
+    a, b, c = fleet.replicas.values()
+    a.healthy = b.healthy = True
+    a.served_models = [{"id": "base", "root": "base", "parent": None}]
+    b.served_models = [
+        {"id": "base", "root": "base", "parent": None},
+        {"id": "sql-lora", "root": "/loras/sql", "parent": "base"},
+    ]
+    c.served_models = [{"id": "only-on-down-replica"}]
+    assert [m["id"] for m in fleet.models()] == ["base", "sql-lora"]
+    assert fleet.base_model_of("sql-lora") == ("base", "sql-lora")
+    assert fleet.base_model_of("base") == ("base", None)
+    assert fleet.base_model_of("unknown") == ("unknown", None)
+
+
+async def test_apply_config_diffs_file_replicas_and_keeps_admin_ones(session: aiohttp.ClientSession) -> None:
+    fleet = Fleet(config("a", "b", "c"), session)
+    rec = Recorder()
+    fleet.listeners.append(rec)
+    await fleet.start()
+    try:
+        rec.events.clear()
+        b_before = fleet.replicas["b"]
+        c_before = fleet.replicas["c"]
+        fleet.add(ReplicaConfig(name="admin1", url="http://127.0.0.1:9/x"))
+        new = parse_config(
+            "breaker: {failures_to_open: 9}\n"
+            "replicas:\n"
+            "  - {name: b, url: 'http://127.0.0.1:9/b', labels: {zone: z1}}\n"
+            "  - {name: c, url: 'http://127.0.0.1:9/c-moved'}\n"
+            "  - {name: d, url: 'http://127.0.0.1:9/d'}\n"
+        )
+        fleet.apply_config(new)
+        assert list(fleet.replicas) == ["b", "admin1", "c", "d"]
+        assert fleet.replicas["b"] is b_before and b_before.config.labels == {"zone": "z1"}
+        assert fleet.replicas["c"] is not c_before and fleet.replicas["c"].url.endswith("/c-moved")
+        assert b_before.breaker.config.failures_to_open == 9
+        assert rec.events == [
+            ("added", "admin1"),
+            ("removed", "a"),
+            ("removed", "c"),
+            ("added", "c"),
+            ("added", "d"),
+        ]
+        with pytest.raises(ValueError):
+            fleet.add(ReplicaConfig(name="d", url="http://127.0.0.1:9/d"))
+        await fleet.remove("admin1")
+        assert "admin1" not in fleet.replicas
+    finally:
+        await fleet.stop()
+
+
+class FakeEngine:
+    """A vLLM-shaped engine stand-in whose /health can be switched off."""
+
+    def __init__(self) -> None:
+        self.healthy = True
+        self.metrics = VLLM_METRICS
+        self.app = web.Application()
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/metrics", self._metrics)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "parent": None}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[tuple[FakeEngine, str]]:
+    eng = FakeEngine()
+    runner = web.AppRunner(eng.app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield eng, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def test_health_loop_marks_down_and_recovery_bumps_generation(
+    session: aiohttp.ClientSession, engine: tuple[FakeEngine, str]
+) -> None:
+    eng, url = engine
+    cfg = parse_config(
+        f"replicas: [{{name: e, url: '{url}'}}]\n"
+        "health: {interval_s: 0.02, timeout_s: 0.5, failures_to_down: 2, successes_to_up: 2}\n"
+        "scrape: {interval_ms: 20}\n"
+    )
+    fleet = Fleet(cfg, session)
+    rec = Recorder()
+    fleet.listeners.append(rec)
+    await fleet.start()
+    try:
+        r = fleet.replicas["e"]
+        assert r.healthy and r.generation == 0
+        assert [m["id"] for m in fleet.models()] == ["m"]
+        assert r.scraped is not None and (r.scraped.waiting, r.scraped.running) == (7, 3)
+        eng.healthy = False
+        await wait_for(lambda: not r.healthy)
+        assert fleet.routable() == [] and fleet.models() == []
+        eng.healthy = True
+        await wait_for(lambda: r.healthy)
+        assert r.generation == 1
+        assert rec.events == [("added", "e"), ("reset", "e", "recovered")]
+    finally:
+        await fleet.stop()
+
+
+async def test_added_replica_gets_probed(session: aiohttp.ClientSession, engine: tuple[FakeEngine, str]) -> None:
+    _, url = engine
+    fleet = Fleet(parse_config("health: {interval_s: 10}\nscrape: {interval_ms: 20}\n"), session)
+    await fleet.start()
+    try:
+        r = fleet.add(ReplicaConfig(name="late", url=url))
+        assert not r.routable()
+        await wait_for(lambda: r.routable() and r.scraped is not None)
+        assert r.scraped is not None and r.scraped.kv_usage == 0.25
+    finally:
+        await fleet.stop()
