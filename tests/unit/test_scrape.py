@@ -1,0 +1,92 @@
+"""Parsing real-shaped vLLM and SGLang /metrics pages, and ignoring everything else on them."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.scrape import parse_metrics
+
+# Shaped after vLLM 0.33's /metrics with two data-parallel engines (trimmed histograms; same syntax as the real page).
+VLLM_DP2 = """\
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 12873.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 12.0
+vllm:num_requests_running{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 9.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0
+# HELP vllm:num_requests_waiting_by_reason Number of requests waiting, by reason.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",reason="capacity"} 4.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct",reason="deferred"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.25
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 918234.0
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="27910",prefix_caching_hash_algo="sha256"} 1.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 841.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 841.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 112.6
+"""
+
+# Shaped after SGLang 0.5's /metrics with --enable-metrics.
+SGLANG = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 6.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 2.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 0.42
+# HELP sglang:cache_hit_rate The prefix cache hit rate.
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 0.61
+# HELP sglang:page_size The page size.
+# TYPE sglang:page_size gauge
+sglang:page_size{engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 32.0
+"""
+
+
+def test_vllm_sums_engines_and_reads_cache_config() -> None:
+    load = parse_metrics(VLLM_DP2, at=12.5)
+    assert load.at == 12.5
+    assert (load.waiting, load.running) == (5, 21)  # waiting_by_reason is not double counted
+    assert load.kv_usage == pytest.approx(0.375)
+    assert (load.block_size, load.num_gpu_blocks) == (16, 27910)
+
+
+def test_sglang_names() -> None:
+    load = parse_metrics(SGLANG, at=0.0)
+    assert (load.waiting, load.running, load.block_size) == (2, 6, 32)
+    assert load.kv_usage == pytest.approx(0.42)
+    assert load.num_gpu_blocks is None
+
+
+def test_page_without_engine_metrics_gives_unknowns() -> None:
+    load = parse_metrics("# TYPE up gauge\nup 1\n", at=1.0)
+    assert (load.waiting, load.running, load.kv_usage, load.block_size) == (None, None, None, None)
+
+
+def test_metrics_without_help_lines_and_cache_info_with_odd_labels() -> None:
+    text = 'vllm:num_requests_waiting 3\nvllm:cache_config_info{block_size="None"} 1\n'
+    load = parse_metrics(text, at=1.0)
+    assert load.waiting == 3 and load.block_size is None
+
+
+def test_malformed_wanted_sample_raises_value_error() -> None:
+    with pytest.raises(ValueError):
+        parse_metrics("vllm:num_requests_waiting{engine=0 banana\n", at=1.0)
