@@ -1,0 +1,199 @@
+"""Send a workload to an OpenAI-compatible endpoint and record what every request experienced.
+
+Open loop: each request is sent at its arrival time whether or not earlier ones finished (a chat session's later
+turns wait for the previous turn, plus think time); a concurrency cap bounds how many are in flight, and a request
+that waits for a slot is recorded with its arrival and its actual start. Every request streams with
+``stream_options.include_usage`` so the engine's own prompt/cached token counts come back with the last chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from loadgen.workloads import Request
+
+REPLICA_HEADER = "x-kvgate-replica"
+DECISION_HEADER = "x-kvgate-decision"
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What one request experienced. Times are seconds since the run started."""
+
+    index: int
+    endpoint: str
+    session_id: str | None
+    arrival_s: float
+    start_s: float
+    expected_prompt_tokens: int
+    oracle_hit_tokens: int
+    end_s: float = 0.0
+    first_token_s: float | None = None
+    status: int = 0
+    """HTTP status; 0 when no response arrived (connection error, timeout)."""
+    error: str | None = None
+    replica: str | None = None
+    decision: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.start_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    target: str
+    model: str
+    concurrency: int = 256
+    duration_s: float | None = None
+    """Stop sending new requests this long after the start (requests in flight still finish)."""
+    timeout_s: float = 600.0
+    progress: bool = True
+
+
+async def run_workload(requests: list[Request], config: RunConfig) -> tuple[list[RequestRecord], float]:
+    """Send every request (within the duration bound); return the records in index order and the run's wall time."""
+    runner = _Runner(requests, config)
+    return await runner.run()
+
+
+class _Runner:
+    def __init__(self, requests: list[Request], config: RunConfig):
+        self.requests = requests
+        self.config = config
+        self.followers: dict[int, list[Request]] = {}
+        for r in requests:
+            if r.after is not None:
+                self.followers.setdefault(r.after, []).append(r)
+        self.records: list[RequestRecord] = []
+        self.slots = asyncio.Semaphore(config.concurrency)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.t0 = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def run(self) -> tuple[list[RequestRecord], float]:
+        connector = aiohttp.TCPConnector(limit=self.config.concurrency, force_close=False)
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("errors {task.fields[errors]}"), TimeElapsedColumn())
+        with Progress(*columns, disable=not self.config.progress, transient=True) as progress:
+            self.progress = progress
+            self.bar = progress.add_task(self.config.target, total=len(self.requests), errors=0)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+                self.session = session
+                self.t0 = time.monotonic()
+                for r in self.requests:
+                    if r.after is None:
+                        self._spawn(r, r.arrival_s)
+                while self.tasks:
+                    await asyncio.gather(*list(self.tasks))
+        wall = self.now()
+        return sorted(self.records, key=lambda rec: rec.index), wall
+
+    def _spawn(self, request: Request, at_s: float) -> None:
+        if self.config.duration_s is not None and at_s > self.config.duration_s:
+            return
+        task = asyncio.create_task(self._one(request, at_s))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _one(self, request: Request, at_s: float) -> None:
+        await asyncio.sleep(max(0.0, at_s - self.now()))
+        async with self.slots:
+            record = RequestRecord(
+                request.index, request.endpoint, request.session_id, at_s, self.now(),
+                request.prompt_tokens, request.oracle_hit_tokens,
+            )
+            await self._send(request, record)
+            record.end_s = self.now()
+        self.records.append(record)
+        self.progress.update(self.bar, advance=1, errors=sum(not r.ok for r in self.records))
+        for follower in self.followers.get(request.index, []):
+            self._spawn(follower, record.end_s + follower.arrival_s)
+
+    async def _send(self, request: Request, record: RequestRecord) -> None:
+        body = {
+            **request.body,
+            "model": self.config.model,
+            "max_tokens": request.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        headers = {"X-Session-ID": request.session_id} if request.session_id else {}
+        url = self.config.target.rstrip("/") + PATHS[request.endpoint]
+        try:
+            async with self.session.post(url, json=body, headers=headers) as resp:
+                record.status = resp.status
+                record.replica = resp.headers.get(REPLICA_HEADER)
+                record.decision = resp.headers.get(DECISION_HEADER)
+                if resp.status != 200:
+                    record.error = (await resp.text())[:500] or resp.reason
+                    return
+                await self._read_stream(resp, record)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            record.error = f"{type(e).__name__}: {e}"
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, record: RequestRecord) -> None:
+        last_token_s: float | None = None
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                record.error = f"malformed SSE data: {data[:200]!r}"
+                return
+            if "error" in chunk:
+                record.error = json.dumps(chunk["error"])[:500]
+                return
+            if _has_text(chunk):
+                now = self.now()
+                if last_token_s is None:
+                    record.first_token_s = now
+                else:
+                    record.itl_s.append(now - last_token_s)
+                last_token_s = now
+            usage = chunk.get("usage")
+            if usage:
+                record.prompt_tokens = usage.get("prompt_tokens")
+                record.output_tokens = usage.get("completion_tokens") or 0
+                details = usage.get("prompt_tokens_details") or {}
+                record.cached_tokens = details.get("cached_tokens") or 0
+        record.error = "stream ended without [DONE]"
+
+
+def _has_text(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or []:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False

@@ -1,0 +1,107 @@
+"""Mooncake-format trace replay: one JSON object per line with timestamp (ms), input_length, output_length and
+hash_ids, one id per 512-token block, chained so that equal ids at position i mean equal prefixes up to block i.
+
+Each hash id becomes a deterministic block of 512 round-trip-safe word tokens (keyed by seed and id), so two requests
+share exactly the prefix the trace says they share, and the text prompt tokenizes back to exactly those ids. The
+conversation trace's timestamps are quantised to ~3 s ticks; replaying them as they are would send up to 28 requests
+in one burst, so each arrival is jittered uniformly within its tick.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadgen.workloads import Request, WorkloadOptions
+from loadgen.workloads.oracle import PrefixOracle
+from loadgen.workloads.vocabulary import vocabulary_for
+
+TRACE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be replayed; the message names the file and line."""
+
+
+def read_trace(path: Path) -> list[TraceRow]:
+    rows: list[TraceRow] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                row = TraceRow(
+                    int(obj["timestamp"]), int(obj["input_length"]), int(obj["output_length"]),
+                    tuple(int(h) for h in obj["hash_ids"]),
+                )
+            except (ValueError, KeyError, TypeError) as e:
+                raise TraceError(f"{path}:{n}: not a Mooncake trace row: {e}") from e
+            if row.input_length <= 0 or len(row.hash_ids) * TRACE_BLOCK_TOKENS < row.input_length:
+                raise TraceError(f"{path}:{n}: {len(row.hash_ids)} hash ids cannot cover {row.input_length} tokens")
+            rows.append(row)
+    return sorted(rows, key=lambda r: r.timestamp_ms)
+
+
+def timestamp_tick_ms(rows: list[TraceRow]) -> float:
+    """The trace's timestamp quantum: the median gap between distinct timestamps when most rows share their
+    timestamp with another row (quantised arrivals), else 0 (arrivals are already spread, nothing to jitter)."""
+    distinct = sorted({r.timestamp_ms for r in rows})
+    if len(distinct) < 2 or len(distinct) > len(rows) / 2:
+        return 0.0
+    return float(statistics.median(b - a for a, b in zip(distinct, distinct[1:])))
+
+
+def select_rows(rows: list[TraceRow], options: WorkloadOptions) -> list[TraceRow]:
+    """The time window [A, B) seconds of trace time, then the first N rows of it."""
+    if options.window_s is not None:
+        start_ms, end_ms = options.window_s[0] * 1000, options.window_s[1] * 1000
+        rows = [r for r in rows if start_ms <= r.timestamp_ms < end_ms]
+    if options.requests is not None:
+        rows = rows[: options.requests]
+    return rows
+
+
+def trace_workload(options: WorkloadOptions) -> list[Request]:
+    if options.trace is None:
+        raise ValueError("the trace workload needs a trace file (--trace)")
+    if options.speed <= 0:
+        raise ValueError("--speed must be positive")
+    all_rows = read_trace(options.trace)
+    tick_ms = timestamp_tick_ms(all_rows)
+    rows = select_rows(all_rows, options)
+    vocab = vocabulary_for(options.tokenizer_dir)
+    rng = random.Random(f"trace:{options.seed}")
+    oracle = PrefixOracle()
+    blocks: dict[int, list[int]] = {}
+    origin_ms = options.window_s[0] * 1000 if options.window_s is not None else 0.0
+    timed = []
+    for row in rows:
+        jittered = row.timestamp_ms + rng.uniform(0, tick_ms) - origin_ms
+        timed.append((max(jittered, 0.0) / 1000 / options.speed, row))
+    timed.sort(key=lambda pair: pair[0])
+    requests = []
+    for index, (arrival_s, row) in enumerate(timed):
+        ids: list[int] = []
+        for h in row.hash_ids:
+            block = blocks.get(h)
+            if block is None:
+                block = blocks[h] = vocab.sample(random.Random(f"trace:{options.seed}:block:{h}"), TRACE_BLOCK_TOKENS)
+            ids.extend(block)
+        del ids[row.input_length :]
+        output = row.output_length if options.max_output_tokens is None else min(row.output_length, options.max_output_tokens)
+        requests.append(
+            Request(index, arrival_s, "completions", {"prompt": vocab.render(ids)}, max(output, 1), len(ids), oracle.observe(ids))
+        )
+    return requests

@@ -1,0 +1,99 @@
+"""Report math on fixed inputs: percentiles, hit ratio, oracle ratio, imbalance, ratios to the best baseline."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from loadgen.report import compare, inflight_timeline, load_imbalance, percentile, summarize, write_results
+from loadgen.runner import RequestRecord
+
+
+def record(i: int, replica: str, start: float, ttft: float, end: float, prompt: int = 100, cached: int = 0,
+           oracle: int = 0, status: int = 200, itl: list[float] | None = None, output: int = 10) -> RequestRecord:
+    return RequestRecord(
+        index=i, endpoint="completions", session_id=None, arrival_s=start, start_s=start,
+        expected_prompt_tokens=prompt, oracle_hit_tokens=oracle, end_s=end, first_token_s=start + ttft,
+        status=status, replica=replica, prompt_tokens=prompt if status == 200 else None,
+        cached_tokens=cached if status == 200 else None, output_tokens=output if status == 200 else 0,
+        itl_s=itl or [],
+    )
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 90) == pytest.approx(90.1)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile([3.0], 99) == 3.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_summary_numbers() -> None:
+    records = [
+        record(0, "r0", 0.0, 0.1, 1.0, prompt=100, cached=0, oracle=0, itl=[0.01, 0.03]),
+        record(1, "r1", 0.0, 0.3, 2.0, prompt=300, cached=200, oracle=240, itl=[0.02]),
+        record(2, "r0", 1.0, 0.2, 2.0, prompt=100, cached=50, oracle=80),
+        record(3, "r1", 1.0, 0.0, 1.5, prompt=100, oracle=80, status=503),
+    ]
+    s = summarize(records, replicas=["r0", "r1", "r2"])
+    assert (s["requests"], s["ok"], s["errors"]) == (4, 3, 1)
+    assert s["ttft_mean_ms"] == pytest.approx(200.0)
+    assert s["ttft_p50_ms"] == pytest.approx(200.0)
+    assert s["e2e_p50_ms"] == pytest.approx(1000.0)
+    assert s["itl_mean_ms"] == pytest.approx(20.0)
+    assert s["hit_ratio"] == pytest.approx(250 / 500)
+    assert s["oracle_hit_ratio"] == pytest.approx(400 / 600)  # over every request sent, failed ones too
+    assert s["duration_s"] == pytest.approx(2.0)
+    assert s["throughput_rps"] == pytest.approx(1.5)
+    assert s["output_tok_s"] == pytest.approx(15.0)
+    assert s["requests_per_replica"] == {"r0": 2, "r1": 1, "r2": 0}
+
+
+def test_inflight_timeline_and_imbalance() -> None:
+    # r0 carries two requests all the time, r1 one during the first half: imbalance is max/mean per instant.
+    spans = [("r0", 0.0, 10.0), ("r0", 0.0, 10.0), ("r1", 0.0, 5.0)]
+    times, series = inflight_timeline(spans, ["r0", "r1"], samples=10)
+    assert len(times) == 10
+    assert series["r0"] == [2] * 10
+    assert series["r1"] == [1] * 5 + [0] * 5
+    # first half: max 2 / mean 1.5; second half: 2 / 1.
+    assert load_imbalance(series) == pytest.approx((5 * (2 / 1.5) + 5 * 2.0) / 10)
+
+
+def test_imbalance_counts_idle_replicas() -> None:
+    _, series = inflight_timeline([("r0", 0.0, 1.0)], ["r0", "r1", "r2", "r3"], samples=4)
+    assert load_imbalance(series) == pytest.approx(4.0)  # everything on one of four replicas
+    _, even = inflight_timeline([(f"r{i}", 0.0, 1.0) for i in range(4)], [f"r{i}" for i in range(4)], samples=4)
+    assert load_imbalance(even) == pytest.approx(1.0)
+
+
+def test_ratios_to_best_baseline() -> None:
+    summaries = {
+        "cost": {"ttft_mean_ms": 80.0, "throughput_rps": 9.0, "hit_ratio": 0.5, "errors": 0, "ttft_p99_ms": math.nan},
+        "round_robin": {"ttft_mean_ms": 200.0, "throughput_rps": 10.0, "hit_ratio": 0.1, "errors": 0, "ttft_p99_ms": 5.0},
+        "least_loaded": {"ttft_mean_ms": 100.0, "throughput_rps": 8.0, "hit_ratio": 0.2, "errors": 2, "ttft_p99_ms": 4.0},
+    }
+    ratios = compare(summaries)
+    assert ratios["ttft_mean_ms"]["best_baseline"] == "least_loaded"
+    assert ratios["ttft_mean_ms"]["ratio"] == pytest.approx(0.8) and ratios["ttft_mean_ms"]["better"]
+    assert ratios["throughput_rps"]["best_baseline"] == "round_robin"
+    assert ratios["throughput_rps"]["ratio"] == pytest.approx(0.9) and not ratios["throughput_rps"]["better"]
+    assert ratios["hit_ratio"]["ratio"] == pytest.approx(2.5)
+    assert ratios["errors"]["best_baseline"] == "round_robin"
+    assert "ttft_p99_ms" not in ratios  # the candidate has no value: no ratio is invented
+    assert compare({"round_robin": summaries["round_robin"]}) == {}
+
+
+def test_results_are_strict_json(tmp_path: Path) -> None:
+    records = [record(0, "r0", 0.0, 0.1, 1.0, status=500)]
+    summaries = {"cost": summarize(records), "round_robin": summarize(records)}
+    write_results(tmp_path, {"workload": "unique"}, {"cost": records, "round_robin": records}, summaries,
+                  compare(summaries), "t")
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["summaries"]["cost"]["ttft_mean_ms"] is None
+    assert doc["requests"]["cost"][0]["status"] == 500
+    assert "| TTFT mean (ms) | n/a | n/a |" in (tmp_path / "report.md").read_text()

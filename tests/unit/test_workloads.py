@@ -1,0 +1,171 @@
+"""Workload generators: exact text → token-id round trip, seeds reproduce, trace arrivals/jitter/window."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from loadgen.assets import TOKENIZER_DIR
+from loadgen.trace import TRACE_BLOCK_TOKENS, TraceError, read_trace, timestamp_tick_ms
+from loadgen.workloads import WorkloadOptions, build_workload
+from loadgen.workloads.oracle import PrefixOracle
+from loadgen.workloads.vocabulary import vocabulary_for
+from router.tokenization import ModelTokenizer
+
+SMALL = dict(
+    groups=3, prompts_per_group=4, system_tokens=64, question_tokens=16, sessions=3, turns=3, turn_tokens=20,
+    think_s=0.5, documents=4, document_tokens=(100, 300), prompt_tokens=50, output_tokens=8, requests=12,
+)
+SYNTHETIC = ["shared-prefix", "multi-turn", "documents", "unique"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer.from_path(TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A conversation-like trace: 3 s ticks, several rows per tick, a shared block 0, chained ids."""
+    rows = []
+    next_id = 1
+    for tick in range(6):
+        for k in range(4):
+            n_blocks = 1 + (tick + k) % 3
+            ids = [0] + list(range(next_id, next_id + n_blocks))
+            next_id += n_blocks
+            rows.append({"timestamp": tick * 3000, "input_length": 512 * n_blocks + 100 + k,
+                         "output_length": 10 + k, "hash_ids": ids})
+    path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _opts(**kw: object) -> WorkloadOptions:
+    return WorkloadOptions(**{**SMALL, **kw})  # type: ignore[arg-type]
+
+
+def test_vocabulary_is_large_and_every_word_round_trips(tokenizer: ModelTokenizer) -> None:
+    vocab = vocabulary_for(TOKENIZER_DIR)
+    assert len(vocab.ids) >= 3900
+    ids = vocab.sample(random.Random(1), 5000)
+    assert tokenizer.encode(vocab.render(ids)) == ids
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_prompt_tokens_are_what_the_engine_counts(name: str, tokenizer: ModelTokenizer) -> None:
+    for r in build_workload(name, _opts()):
+        if r.endpoint == "chat":
+            ids = tokenizer.encode_chat(r.body["messages"])
+        else:
+            ids = tokenizer.encode(r.body["prompt"])
+        assert len(ids) == r.prompt_tokens
+
+
+def test_completion_text_round_trips_to_the_generated_ids(tokenizer: ModelTokenizer) -> None:
+    """Documents share a long prefix: the text of two requests on one document tokenizes to the same leading ids."""
+    reqs = build_workload("documents", _opts(documents=1, requests=2))
+    a, b = (tokenizer.encode(r.body["prompt"]) for r in reqs)
+    doc_len = reqs[0].prompt_tokens - SMALL["question_tokens"]
+    assert a[:doc_len] == b[:doc_len] and a[doc_len:] != b[doc_len:]
+
+
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_same_seed_same_requests_other_seed_differs(name: str) -> None:
+    first, again, other = (build_workload(name, _opts(seed=s)) for s in (7, 7, 8))
+    assert first == again
+    assert [r.body for r in first] != [r.body for r in other]
+
+
+def test_shared_prefix_shape_and_oracle() -> None:
+    reqs = build_workload("shared-prefix", _opts(requests=None))
+    assert len(reqs) == 3 * 4
+    systems = {r.body["messages"][0]["content"] for r in reqs}
+    assert len(systems) == 3
+    assert all(b.arrival_s >= a.arrival_s for a, b in zip(reqs, reqs[1:]))
+    # The first request of each group misses; later ones hit the system prompt's full blocks.
+    assert sum(r.oracle_hit_tokens == 0 for r in reqs) == 3
+
+
+def test_multi_turn_history_grows_and_turns_chain() -> None:
+    reqs = build_workload("multi-turn", _opts(requests=None))
+    assert len(reqs) == 9
+    by_session: dict[str, list] = {}
+    for r in reqs:
+        by_session.setdefault(r.session_id, []).append(r)
+    for turns in by_session.values():
+        assert turns[0].after is None
+        for prev, cur in zip(turns, turns[1:]):
+            assert cur.after == prev.index
+            assert cur.body["messages"][: len(prev.body["messages"])] == prev.body["messages"]
+            assert cur.prompt_tokens > prev.prompt_tokens and cur.oracle_hit_tokens > 0
+
+
+def test_unique_has_no_oracle_hits() -> None:
+    assert all(r.oracle_hit_tokens == 0 for r in build_workload("unique", _opts()))
+
+
+def test_rate_zero_sends_all_at_once() -> None:
+    assert {r.arrival_s for r in build_workload("unique", _opts(rate=0))} == {0.0}
+
+
+def test_oracle_counts_full_block_prefixes_only() -> None:
+    oracle = PrefixOracle(block_size=4)
+    assert oracle.observe([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0
+    assert oracle.observe([1, 2, 3, 4, 5, 6, 7, 8, 0, 0]) == 8
+    assert oracle.observe([1, 2, 3, 4, 9, 9, 9, 9, 5, 6, 7, 8]) == 4  # block 3 equals an earlier block 2 but not its prefix
+    assert oracle.observe([9, 2, 3, 4]) == 0
+
+
+def test_trace_prompts_follow_hash_ids_exactly(trace_file: Path, tokenizer: ModelTokenizer) -> None:
+    rows = read_trace(trace_file)
+    reqs = build_workload("trace", _opts(trace=trace_file, requests=None, seed=3))
+    assert len(reqs) == len(rows)
+    encoded = {r.index: tokenizer.encode(r.body["prompt"]) for r in reqs}
+    assert all(len(encoded[r.index]) == r.prompt_tokens for r in reqs)
+    # Every request shares exactly block 0 (512 tokens) with every other, and output lengths come from the trace.
+    first = [ids[:TRACE_BLOCK_TOKENS] for ids in encoded.values()]
+    assert all(f == first[0] for f in first)
+    assert sorted(r.output_tokens for r in reqs) == sorted(row.output_length for row in rows)
+    assert sorted(r.prompt_tokens for r in reqs) == sorted(row.input_length for row in rows)
+
+
+def test_trace_arrivals_are_jittered_within_ticks_and_scaled(trace_file: Path) -> None:
+    rows = read_trace(trace_file)
+    assert timestamp_tick_ms(rows) == 3000
+    fast = build_workload("trace", _opts(trace=trace_file, requests=None, speed=2.0))
+    slow = build_workload("trace", _opts(trace=trace_file, requests=None, speed=1.0))
+    assert [r.arrival_s * 2 for r in fast] == pytest.approx([r.arrival_s for r in slow])
+    arrivals = sorted(r.arrival_s for r in slow)
+    assert len(set(arrivals)) == len(arrivals)  # bursts are spread
+    assert all(0 <= a < 18 for a in arrivals)
+    # Within each 3 s tick there are exactly the trace's 4 rows.
+    assert [sum(1 for a in arrivals if 3 * t <= a < 3 * (t + 1)) for t in range(6)] == [4] * 6
+    assert [r.arrival_s for r in slow] != [r.arrival_s for r in build_workload("trace", _opts(trace=trace_file, requests=None, seed=1))]
+
+
+def test_trace_window_and_first_n(trace_file: Path) -> None:
+    window = build_workload("trace", _opts(trace=trace_file, requests=None, window_s=(6.0, 12.0)))
+    assert len(window) == 8
+    assert all(0 <= r.arrival_s < 6 for r in window)  # offsets from the window's start
+    first = build_workload("trace", _opts(trace=trace_file, requests=5, window_s=(6.0, 12.0)))
+    assert len(first) == 5
+
+
+def test_bad_trace_is_refused_with_its_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    with pytest.raises(TraceError, match="bad.jsonl:2"):
+        read_trace(bad)
+    short = tmp_path / "short.jsonl"
+    short.write_text('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match="cannot cover"):
+        read_trace(short)
+
+
+def test_unknown_workload_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload("nope", _opts())
