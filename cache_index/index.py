@@ -1,0 +1,336 @@
+"""The global prefix index: which replica holds which block, in which tier, under which generation.
+
+Layout, chosen for memory (≤150 bytes per (block, replica) holding) and lookup speed:
+
+- replicas are interned to small slot numbers; a block's holders are one int bitmask with bit ``slot * 3 + tier``,
+  stored in one dict ``key → mask`` (a 64-bit key, a small int and one dict entry per block, shared by every
+  replica that holds it);
+- the dict's insertion order is the recency order: storing or matching a block moves it to the end, eviction takes
+  from the front. Lookups touch a matched chain from its tail to its head, so the head of a chain is always more
+  recent than its tail and eviction trims chains from their leaves, least recently matched first;
+- a holding's generation is its replica's current generation (the index drops every holding of a replica whose
+  generation moves on, so no holding of an old generation survives), and its ``since`` is kept per replica
+  generation, not per block (``ReplicaHoldings.since``);
+- predicted holdings live apart, ``key → mask`` (bit ``slot * 3``, the slot's GPU position, so it lines up with
+  the tier masks) with a deadline per (slot, key), and are swept at each lookup, so they are never trusted past
+  their TTL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import islice
+
+from cache_index.match import PrefixMatch, Tier
+
+_TIERS = len(Tier)
+_EVICTION_HEADROOM = 0.01
+"""Evict this fraction of the cap below it at once, so a full index does not evict on every store."""
+
+
+@dataclass(slots=True)
+class IndexStats:
+    entries: int
+    """(block, replica, tier) holdings confirmed by events."""
+    blocks: int
+    """Distinct block keys held by at least one replica."""
+    approx_bytes: int
+    """Estimated memory of the confirmed holdings (dict, keys, masks)."""
+    evictions: int
+    """Holdings evicted because the index was above ``max_entries``."""
+    predicted_entries: int
+    """(block, replica) predictions not yet confirmed nor expired."""
+    replicas: int
+
+
+@dataclass(slots=True)
+class ReplicaHoldings:
+    """A replica's view in the index: its current generation and when that generation began."""
+
+    generation: int
+    since: float
+
+
+class PrefixIndex:
+    """Per block, the replicas holding it per tier; per prompt, each replica's longest cached prefix."""
+
+    def __init__(
+        self, max_entries: int = 5_000_000, predicted_ttl_s: float = 2.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self.max_entries = max_entries
+        self.predicted_ttl_s = predicted_ttl_s
+        self._clock = clock
+        self._holders: dict[int, int] = {}
+        self._entries = 0
+        self._evictions = 0
+        self._slots: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self._replicas: dict[str, ReplicaHoldings] = {}
+        self._predicted: dict[int, int] = {}
+        self._predicted_deadlines: dict[int, dict[int, float]] = {}
+        self._predicted_expiry: deque[tuple[float, int, tuple[int, ...]]] = deque()
+
+    # replicas and generations
+
+    def _slot(self, replica: str) -> int:
+        slot = self._slots.get(replica)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            self._slots[replica] = slot
+            self._names[slot] = replica
+        return slot
+
+    def generation(self, replica: str) -> int | None:
+        holdings = self._replicas.get(replica)
+        return None if holdings is None else holdings.generation
+
+    def replica(self, replica: str) -> ReplicaHoldings | None:
+        return self._replicas.get(replica)
+
+    def _admit(self, replica: str, generation: int) -> bool:
+        """Accept writes of ``generation``: a newer one replaces everything the replica held; an older one is stale."""
+        holdings = self._replicas.get(replica)
+        if holdings is None:
+            self._replicas[replica] = ReplicaHoldings(generation, self._clock())
+            return True
+        if generation < holdings.generation:
+            return False
+        if generation > holdings.generation:
+            self.drop_replica(replica)
+            self._replicas[replica] = ReplicaHoldings(generation, self._clock())
+        return True
+
+    # writes
+
+    def store(self, replica: str, keys: Sequence[int], tier: Tier, generation: int) -> None:
+        """Record that ``replica`` holds ``keys`` in ``tier``; confirms predictions; ignored for an old generation."""
+        if not self._admit(replica, generation):
+            return
+        slot = self._slot(replica)
+        bit = 1 << (slot * _TIERS + tier)
+        holders = self._holders
+        added = 0
+        for key in reversed(keys):  # the head of the chain ends up the most recent
+            mask = holders.pop(key, 0)
+            if not mask & bit:
+                added += 1
+            holders[key] = mask | bit
+        self._entries += added
+        deadlines = self._predicted_deadlines.get(slot)
+        if deadlines:
+            for key in keys:
+                if deadlines.pop(key, None) is not None:
+                    self._unpredict(key, slot)
+        if self._entries > self.max_entries:
+            self._evict()
+
+    def remove(self, replica: str, keys: Sequence[int], tier: Tier) -> None:
+        """Forget that ``replica`` holds ``keys`` in ``tier``."""
+        slot = self._slots.get(replica)
+        if slot is None:
+            return
+        bit = 1 << (slot * _TIERS + tier)
+        holders = self._holders
+        for key in keys:
+            mask = holders.get(key)
+            if mask is not None and mask & bit:
+                self._entries -= 1
+                mask &= ~bit
+                if mask:
+                    holders[key] = mask
+                else:
+                    del holders[key]
+
+    def holds(self, replica: str, key: int) -> bool:
+        """Whether ``replica`` holds ``key`` in any tier (confirmed holdings only)."""
+        slot = self._slots.get(replica)
+        if slot is None:
+            return False
+        return bool(self._holders.get(key, 0) >> (slot * _TIERS) & ((1 << _TIERS) - 1))
+
+    def tiers_of(self, replica: str, key: int) -> list[Tier]:
+        slot = self._slots.get(replica)
+        if slot is None:
+            return []
+        mask = self._holders.get(key, 0) >> (slot * _TIERS)
+        return [tier for tier in Tier if mask >> tier & 1]
+
+    def drop_replica(self, replica: str) -> int:
+        """Remove every holding and prediction of ``replica`` at once; returns how many holdings were removed.
+
+        This is a scan of the index (tens of ms per million blocks); it runs only on resets, purges and removal.
+        """
+        slot = self._slots.pop(replica, None)
+        if slot is None:
+            return 0
+        del self._names[slot]
+        self._free_slots.append(slot)
+        slot_mask = ((1 << _TIERS) - 1) << (slot * _TIERS)
+        holders = self._holders
+        removed = 0
+        emptied: list[int] = []
+        for key, mask in holders.items():
+            if mask & slot_mask:
+                removed += (mask & slot_mask).bit_count()
+                rest = mask & ~slot_mask
+                if rest:
+                    holders[key] = rest  # assigning an existing key keeps the dict's size and order
+                else:
+                    emptied.append(key)
+        for key in emptied:
+            del holders[key]
+        self._entries -= removed
+        for key in self._predicted_deadlines.pop(slot, {}):
+            self._unpredict(key, slot)
+        return removed
+
+    def forget_replica(self, replica: str) -> int:
+        """Drop the replica's holdings and its generation record (it left the fleet)."""
+        removed = self.drop_replica(replica)
+        self._replicas.pop(replica, None)
+        return removed
+
+    def _evict(self) -> None:
+        target = self.max_entries - int(self.max_entries * _EVICTION_HEADROOM)
+        holders = self._holders
+        while self._entries > target:
+            batch = list(islice(holders, max(1, min(len(holders), 1024))))
+            if not batch:
+                break
+            for key in batch:
+                mask = holders.pop(key)
+                count = mask.bit_count()
+                self._entries -= count
+                self._evictions += count
+                if self._entries <= target:
+                    break
+
+    # predictions
+
+    def predict(self, replica: str, keys: Sequence[int]) -> None:
+        """Mark ``keys`` as predicted on ``replica`` for ``predicted_ttl_s`` (the router just sent it this prompt)."""
+        if not keys or self.predicted_ttl_s <= 0:
+            return
+        slot = self._slot(replica)
+        deadline = self._clock() + self.predicted_ttl_s
+        deadlines = self._predicted_deadlines.setdefault(slot, {})
+        predicted = self._predicted
+        bit = 1 << (slot * _TIERS)
+        confirmed_bits = ((1 << _TIERS) - 1) << (slot * _TIERS)
+        fresh: list[int] = []
+        for key in keys:
+            if self._holders.get(key, 0) & confirmed_bits:
+                continue
+            deadlines[key] = deadline
+            predicted[key] = predicted.get(key, 0) | bit
+            fresh.append(key)
+        if fresh:
+            self._predicted_expiry.append((deadline, slot, tuple(fresh)))
+
+    def _unpredict(self, key: int, slot: int) -> None:
+        mask = self._predicted.get(key, 0) & ~(1 << (slot * _TIERS))
+        if mask:
+            self._predicted[key] = mask
+        else:
+            self._predicted.pop(key, None)
+
+    def _expire_predictions(self, now: float) -> None:
+        expiry = self._predicted_expiry
+        while expiry and expiry[0][0] <= now:
+            _, slot, keys = expiry.popleft()
+            deadlines = self._predicted_deadlines.get(slot)
+            if deadlines is None:
+                continue
+            for key in keys:
+                deadline = deadlines.get(key)
+                if deadline is not None and deadline <= now:  # a later prediction of the same key keeps it
+                    del deadlines[key]
+                    self._unpredict(key, slot)
+
+    # reads
+
+    def lookup(self, keys: Sequence[int], block_size: int) -> dict[str, PrefixMatch]:
+        """Per replica holding at least block 0: leading tokens held, each block attributed to its best tier.
+
+        A replica's walk stops at its first block held in no tier and not predicted. Matched blocks become the most
+        recently used, head last.
+        """
+        self._expire_predictions(self._clock())
+        holders = self._holders
+        predicted = self._predicted
+        slot_count = max(self._names, default=-1) + 1
+        if slot_count == 0 or not keys:
+            return {}
+        gpu_pattern = sum(1 << (s * _TIERS) for s in range(slot_count))
+        alive = -1
+        runs: list[tuple[int, int, int, int, int]] = []  # (gpu, cpu, storage, predicted) slot masks, blocks
+        previous: tuple[int, int, int, int] | None = None
+        run_length = 0
+        matched = 0
+        for key in keys:
+            mask = holders.get(key, 0)
+            gpu = mask & gpu_pattern
+            cpu = (mask >> 1) & gpu_pattern & ~gpu
+            storage = (mask >> 2) & gpu_pattern & ~gpu & ~cpu
+            confirmed = gpu | cpu | storage
+            guessed = predicted.get(key, 0) & ~confirmed
+            held = (confirmed | guessed) & alive
+            if not held:
+                break
+            alive = held
+            current = (gpu & held, cpu & held, storage & held, guessed & held)
+            if current == previous:
+                run_length += 1
+            else:
+                if previous is not None:
+                    runs.append((*previous, run_length))
+                previous = current
+                run_length = 1
+            matched += 1
+        if previous is None:
+            return {}
+        runs.append((*previous, run_length))
+        for key in reversed(keys[:matched]):
+            mask = holders.pop(key, None)
+            if mask is not None:
+                holders[key] = mask
+        result: dict[str, PrefixMatch] = {}
+        names = self._names
+        for gpu, cpu, storage, guessed, length in runs:
+            tokens = length * block_size
+            for field_name, mask in (("gpu", gpu), ("cpu", cpu), ("storage", storage), ("predicted", guessed)):
+                while mask:
+                    low = mask & -mask
+                    slot = (low.bit_length() - 1) // _TIERS
+                    mask ^= low
+                    name = names.get(slot)
+                    if name is None:
+                        continue
+                    match = result.get(name)
+                    if match is None:
+                        match = result[name] = PrefixMatch()
+                    setattr(match, field_name, getattr(match, field_name) + tokens)
+        return result
+
+    def stats(self) -> IndexStats:
+        blocks = len(self._holders)
+        return IndexStats(
+            entries=self._entries,
+            blocks=blocks,
+            approx_bytes=blocks * _BYTES_PER_BLOCK,
+            evictions=self._evictions,
+            predicted_entries=sum(len(d) for d in self._predicted_deadlines.values()),
+            replicas=len(self._replicas),
+        )
+
+
+_BYTES_PER_BLOCK = 36 + 32 + 48
+"""A 64-bit int key, a small int mask and one dict slot with its share of the table (measured with tracemalloc
+by benchmarks/bench_index.py)."""
+

@@ -1,0 +1,352 @@
+"""The per-replica state machine that turns engine KV-event frames into index holdings (no sockets here).
+
+Sequence rules, per (replica, DP rank) stream:
+
+- the first sequence number seen is accepted, whatever it is;
+- ``seq == expected``: applied;
+- ``seq > expected``: a gap. Nothing is applied (neither this frame nor later ones) until the caller repairs the gap
+  by feeding the missing frames (replay) or gives up and calls :meth:`EventIngestor.purge`;
+- ``seq < expected``: ``seq == 0`` or a jump back of more than ``duplicate_window`` means the engine restarted
+  (every publisher counts from 0): the replica's generation is bumped, everything it held is dropped and the frame
+  is applied; otherwise the frame is a duplicate or a late replay frame and is discarded, never applied twice.
+
+Generations: every restart, ``AllBlocksCleared``, reset (health loss, drain) or namespace change bumps the
+replica's generation and drops all its holdings. A caller that captured a generation before awaiting something
+(a replay) passes it back, and frames of an older generation are discarded as stale.
+
+Keys: a ``BlockStored`` chain with no parent is rooted at the namespace of (replica's model, weight version, cache
+salt, LoRA name); the salt is SGLang's ``cache_salt`` field or the bare string vLLM publishes in block 0's extra keys
+(any string there that is not the LoRA name). Other extra keys (multimodal ids, embeds digests) fold into the block
+keys, so such blocks never match text-only requests. A stored chain whose parent hash is unknown is skipped and
+counted as orphan: kvgate never guesses a prefix. ``BlockRemoved`` resolves engine hashes through the replica's
+engine-hash → key map; a hash leaves the map once the replica holds its block in no tier.
+
+A malformed frame is counted and, since it may have carried removals, the replica's holdings are purged: a wrong
+hit costs more than a miss.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_index.events import Cleared, DecodedBatch, MalformedBatch, Removed, Stored, decode_batch
+from cache_index.index import PrefixIndex
+from cache_index.keys import block_keys, namespace_key
+from cache_index.match import tier_of_medium
+
+DEFAULT_DUPLICATE_WINDOW = 100_000
+"""How far back a sequence number may be and still count as a duplicate rather than a restart (vLLM keeps 10,000
+batches for replay by default, so late frames from a replay are well within this)."""
+
+_FULL_ATTENTION = (None, "full_attention")
+
+
+class ApplyStatus(enum.Enum):
+    APPLIED = "applied"
+    RESTARTED = "restarted"
+    """Sequence went backwards: generation bumped, old holdings dropped, frame applied."""
+    DUPLICATE = "duplicate"
+    STALE = "stale"
+    GAP = "gap"
+    MALFORMED = "malformed"
+    UNKNOWN_REPLICA = "unknown_replica"
+
+
+@dataclass(slots=True, frozen=True)
+class ApplyResult:
+    status: ApplyStatus
+    expected: int | None = None
+    """For a gap: the first missing sequence number."""
+    got: int | None = None
+    """For a gap: the sequence number received."""
+    events: int = 0
+    """Events applied from this frame."""
+
+    @property
+    def applied(self) -> bool:
+        return self.status in (ApplyStatus.APPLIED, ApplyStatus.RESTARTED)
+
+
+@dataclass(slots=True)
+class IngestStats:
+    """Plain counters the router exports as metrics."""
+
+    events_applied: int = 0
+    frames_applied: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    """Events or frames not applied, by reason: stale_generation, duplicate, malformed, unknown_type, orphan,
+    unknown_medium, other_kv_group, unknown_replica."""
+    unknown_fields: int = 0
+    unknown_removed: int = 0
+    """Removed hashes kvgate never saw stored (e.g. stored before it subscribed): nothing to do."""
+    gaps_detected: int = 0
+    replays_requested: int = 0
+    replays_succeeded: int = 0
+    replays_failed: int = 0
+    purges: int = 0
+    restarts: int = 0
+    resets: Counter[str] = field(default_factory=Counter)
+    generations: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Stream:
+    expected: int | None = None
+    gap: tuple[int, int] | None = None
+
+
+@dataclass(slots=True)
+class _Replica:
+    model: str
+    weight_version: str
+    block_size: int | None
+    generation: int
+    streams: dict[int | None, _Stream] = field(default_factory=dict)
+    engine_keys: dict[int, int] = field(default_factory=dict)
+    namespaces: dict[tuple[str | None, str | None], int] = field(default_factory=dict)
+
+
+class EventIngestor:
+    """Applies KV-event frames of many replicas to one :class:`PrefixIndex`, enforcing the sequence rules."""
+
+    def __init__(self, index: PrefixIndex, *, duplicate_window: int = DEFAULT_DUPLICATE_WINDOW) -> None:
+        self.index = index
+        self.duplicate_window = duplicate_window
+        self.stats = IngestStats()
+        self._replicas: dict[str, _Replica] = {}
+
+    # replica lifecycle
+
+    def add_replica(self, name: str, *, model: str, weight_version: str = "", block_size: int | None = None) -> None:
+        """Start tracking a replica (or update one): its model and weight version root its namespaces."""
+        replica = self._replicas.get(name)
+        if replica is not None:
+            self.set_namespace(name, model, weight_version)
+            if block_size is not None:
+                replica.block_size = block_size
+            return
+        generation = self.stats.generations.get(name, -1) + 1  # a re-added replica never reuses a generation
+        self._replicas[name] = _Replica(model, weight_version, block_size, generation)
+        self.stats.generations[name] = generation
+
+    def set_namespace(self, name: str, model: str, weight_version: str = "") -> None:
+        """A new model or weight version: nothing held so far can match, so drop it all under a new generation."""
+        replica = self._replicas[name]
+        if (replica.model, replica.weight_version) == (model, weight_version):
+            return
+        replica.model, replica.weight_version = model, weight_version
+        self._bump(name, replica, clear_streams=False)
+        self.stats.resets["namespace"] += 1
+
+    def remove_replica(self, name: str) -> None:
+        if self._replicas.pop(name, None) is not None:
+            self.index.drop_replica(name)
+
+    def reset_replica(self, name: str, reason: str) -> None:
+        """Health loss, drain, restart seen elsewhere: forget everything and start a new generation."""
+        replica = self._replicas.get(name)
+        if replica is None:
+            return
+        self._bump(name, replica, clear_streams=True)
+        self.stats.resets[reason] += 1
+
+    def purge(self, name: str, dp_rank: int | None = None) -> None:
+        """A gap could not be repaired: drop the replica's holdings and resume the stream at its next frame."""
+        replica = self._replicas.get(name)
+        if replica is None:
+            return
+        self.index.drop_replica(name)
+        replica.engine_keys.clear()
+        replica.streams[dp_rank] = _Stream()
+        self.stats.purges += 1
+
+    def generation(self, name: str) -> int:
+        return self._replicas[name].generation
+
+    def block_size(self, name: str) -> int | None:
+        """The configured block size, else the one the replica's events announced."""
+        return self._replicas[name].block_size
+
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    def expected_seq(self, name: str, dp_rank: int | None = None) -> int | None:
+        replica = self._replicas.get(name)
+        stream = None if replica is None else replica.streams.get(dp_rank)
+        return None if stream is None else stream.expected
+
+    def _bump(self, name: str, replica: _Replica, *, clear_streams: bool) -> None:
+        replica.generation += 1
+        self.stats.generations[name] = replica.generation
+        self.index.drop_replica(name)
+        replica.engine_keys.clear()
+        if clear_streams:
+            replica.streams.clear()
+
+    # frames
+
+    def apply(
+        self,
+        name: str,
+        seq: int,
+        payload: bytes | DecodedBatch,
+        dp_rank: int | None = None,
+        *,
+        source: str = "zmq",
+        generation: int | None = None,
+    ) -> ApplyResult:
+        """Apply one frame (msgpack payload or an already decoded batch) under the sequence rules.
+
+        ``source`` is informational ("zmq", "replay", "http"); ``generation``, when given, is the generation the
+        caller saw before the frame was fetched: if the replica moved on since, the frame is stale.
+        """
+        stats = self.stats
+        replica = self._replicas.get(name)
+        if replica is None:
+            stats.dropped["unknown_replica"] += 1
+            return ApplyResult(ApplyStatus.UNKNOWN_REPLICA)
+        if generation is not None and generation != replica.generation:
+            stats.dropped["stale_generation"] += 1
+            return ApplyResult(ApplyStatus.STALE)
+        stream = replica.streams.get(dp_rank)
+        if stream is None:
+            stream = replica.streams[dp_rank] = _Stream()
+        expected = stream.expected
+        status = ApplyStatus.APPLIED
+        if expected is not None and seq != expected:
+            if seq > expected:
+                if stream.gap is None:
+                    stats.gaps_detected += 1
+                    stream.gap = (expected, seq)
+                return ApplyResult(ApplyStatus.GAP, expected=expected, got=seq)
+            if seq != 0 and expected - seq <= self.duplicate_window:
+                stats.dropped["duplicate"] += 1
+                return ApplyResult(ApplyStatus.DUPLICATE)
+            self._bump(name, replica, clear_streams=True)
+            stats.restarts += 1
+            stream = replica.streams[dp_rank] = _Stream()
+            status = ApplyStatus.RESTARTED
+        stream.expected = seq + 1
+        stream.gap = None
+        try:
+            batch = payload if isinstance(payload, DecodedBatch) else decode_batch(payload)
+        except MalformedBatch:
+            stats.dropped["malformed"] += 1
+            self.index.drop_replica(name)
+            replica.engine_keys.clear()
+            stats.purges += 1
+            return ApplyResult(ApplyStatus.MALFORMED)
+        applied = self._apply_events(name, replica, batch)
+        stats.frames_applied += 1
+        return ApplyResult(status, events=applied)
+
+    def _apply_events(self, name: str, replica: _Replica, batch: DecodedBatch) -> int:
+        stats = self.stats
+        if batch.unknown_events:
+            stats.dropped["unknown_type"] += batch.unknown_events
+        stats.unknown_fields += batch.unknown_fields
+        applied = 0
+        for event in batch.events:
+            if type(event) is Stored:
+                applied += self._stored(name, replica, event)
+            elif type(event) is Removed:
+                applied += self._removed(name, replica, event)
+            elif type(event) is Cleared:
+                self._bump(name, replica, clear_streams=False)
+                applied += 1
+        stats.events_applied += applied
+        return applied
+
+    def _stored(self, name: str, replica: _Replica, event: Stored) -> int:
+        dropped = self.stats.dropped
+        if event.kv_cache_spec_kind not in _FULL_ATTENTION:
+            dropped["other_kv_group"] += 1  # sliding-window / mamba groups do not hold a reusable prefix
+            return 0
+        tier = tier_of_medium(event.medium)
+        if tier is None:
+            dropped["unknown_medium"] += 1
+            return 0
+        hashes = event.block_hashes
+        block_size = event.block_size
+        if len(event.token_ids) != len(hashes) * block_size:
+            dropped["malformed"] += 1
+            return 0
+        extra_keys = event.extra_keys
+        if event.parent is None:
+            salt, extras = _split_salt(event, extra_keys)
+            parent = self._namespace(replica, salt, event.lora_name)
+        else:
+            found = replica.engine_keys.get(event.parent)
+            if found is None:
+                dropped["orphan"] += 1
+                return 0
+            parent = found
+            extras = _fold_extras(extra_keys, event.lora_name, 0) if extra_keys else None
+        try:
+            keys = block_keys(parent, event.token_ids, block_size, extras)
+        except (OverflowError, TypeError, ValueError):
+            dropped["malformed"] += 1
+            return 0
+        self.index.store(name, keys, tier, replica.generation)
+        replica.engine_keys.update(zip(hashes, keys))
+        if replica.block_size is None:
+            replica.block_size = block_size
+        return 1
+
+    def _removed(self, name: str, replica: _Replica, event: Removed) -> int:
+        tier = tier_of_medium(event.medium)
+        if tier is None:
+            self.stats.dropped["unknown_medium"] += 1
+            return 0
+        engine_keys = replica.engine_keys
+        index = self.index
+        for engine_hash in event.block_hashes:
+            key = engine_keys.get(engine_hash)
+            if key is None:
+                self.stats.unknown_removed += 1
+                continue
+            index.remove(name, (key,), tier)
+            if not index.holds(name, key):
+                del engine_keys[engine_hash]
+        return 1
+
+    def _namespace(self, replica: _Replica, salt: str | None, lora_name: str | None) -> int:
+        ns = replica.namespaces.get((salt, lora_name))
+        if ns is None:
+            ns = namespace_key(replica.model, replica.weight_version, salt, lora_name)
+            replica.namespaces[(salt, lora_name)] = ns
+        return ns
+
+
+def _split_salt(event: Stored, extra_keys: list[Any] | None) -> tuple[str | None, list[Any] | None]:
+    """Take the cache salt out of a chain head's extra keys; the rest of the extra keys stay with the blocks."""
+    salt = event.cache_salt
+    if not extra_keys:
+        return salt, None
+    first = extra_keys[0]
+    if isinstance(first, str):
+        first = [first]
+    if isinstance(first, list):
+        rest = []
+        for item in first:
+            if isinstance(item, str) and item != event.lora_name and salt is None:
+                salt = item
+            elif not (isinstance(item, str) and (item == event.lora_name or item == salt)):
+                rest.append(item)
+        extra_keys = [rest or None, *extra_keys[1:]]
+    return salt, _fold_extras(extra_keys, event.lora_name, 1)
+
+
+def _fold_extras(extra_keys: list[Any], lora_name: str | None, start: int) -> list[Any] | None:
+    """Extra keys per block without the LoRA name (it is part of the namespace), or None when nothing is left."""
+    folded: list[Any] = list(extra_keys[:start])
+    for extra in extra_keys[start:]:
+        if isinstance(extra, list) and lora_name is not None:
+            extra = [item for item in extra if item != lora_name] or None
+        elif extra == lora_name:
+            extra = None
+        folded.append(extra)
+    return folded if any(e is not None for e in folded) else None
