@@ -1,0 +1,131 @@
+"""The cost model's arithmetic: prefill, queue delay, per-tier credit, transfer estimates (DESIGN.md's constants)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_index.match import PrefixMatch
+from policies.base import ReplicaView, RouteRequest
+from policies.config import KvgateConfig, PrefillCost, TransferConfig, parse_config
+from policies.cost_model import GIB, CostModel
+
+DEFAULT = PrefillCost()  # 20 ms + 0.035 ms/token
+NIXL = TransferConfig(connector="nixl")  # 12 ms setup, 22 GiB/s, min 1024 tokens
+KV_BYTES = 320 * 1024
+
+
+def model(prefill: PrefillCost = DEFAULT, transfer: TransferConfig = NIXL) -> CostModel:
+    return CostModel(prefill, {"cpu": 0.015, "storage": 0.03}, transfer, KV_BYTES)
+
+
+def request(tokens: int) -> RouteRequest:
+    return RouteRequest(request_id="r", model="m", prompt_tokens=tokens, block_size=16)
+
+
+def view(name: str = "a", *, healthy: bool = True, **kw: object) -> ReplicaView:
+    match = PrefixMatch(**{t: kw.pop(t) for t in ("gpu", "cpu", "storage", "predicted") if t in kw})
+    return ReplicaView(name=name, healthy=healthy, match=match, **kw)
+
+
+def test_prefill_formula() -> None:
+    m = model(PrefillCost(fixed_ms=20, per_token_ms=0.035, quadratic_ms=2.0))
+    assert m.prefill_ms(0) == 20
+    assert m.prefill_ms(1000) == pytest.approx(20 + 35 + 2.0 * 1000**2 / 1e6)
+    # Suffix after a cached context pays attention over the whole context.
+    assert m.prefill_ms(1000, context=3000) == pytest.approx(20 + 35 + 2.0 * (4000**2 - 3000**2) / 1e6)
+
+
+def test_from_config_takes_the_models_entry() -> None:
+    config = parse_config(
+        "models: [{name: a}, {name: b, prefill: {fixed_ms: 5, per_token_ms: 0.1}, kv_bytes_per_token: 1000}]\n"
+        "transfer: {connector: nixl}\n"
+    )
+    b = CostModel.from_config(config, "b")
+    assert (b.prefill.fixed_ms, b.kv_bytes_per_token, b.transfer_enabled) == (5, 1000, True)
+    assert CostModel.from_config(config, "unknown").prefill == PrefillCost()
+    assert CostModel.from_config(KvgateConfig()).transfer_enabled is False
+
+
+def test_queue_delay_counts_own_prefills_foreign_waiting_and_decodes() -> None:
+    m = model(PrefillCost(fixed_ms=20, per_token_ms=0.035, decode_ms_per_token=0.5))
+    assert m.queue_delay_ms(view()) == 0
+    # Three own requests with 6000 uncached tokens: 3 x 20 + 0.035 x 6000.
+    own = view(in_flight=3, in_flight_prefilling=3, in_flight_prefill_tokens=6000)
+    assert m.queue_delay_ms(own) == pytest.approx(60 + 210)
+    # The engine reports 5 waiting: 2 more than the router's own, costed at the router's mean (2000 tokens).
+    more = view(in_flight=3, in_flight_prefilling=3, in_flight_prefill_tokens=6000, scraped_waiting=5, scraped_running=4)
+    assert m.queue_delay_ms(more) == pytest.approx(270 + 2 * (20 + 70) + 4 * 0.5)
+    # Waiting requests the router knows nothing about are costed at default_prompt_tokens (1024).
+    foreign = view(scraped_waiting=2, scraped_running=0)
+    assert m.queue_delay_ms(foreign) == pytest.approx(2 * (20 + 0.035 * 1024))
+    # Without scraped numbers, the router's decoding requests (in flight, past first token) are the running set.
+    decoding = view(in_flight=10)
+    assert m.queue_delay_ms(decoding) == pytest.approx(10 * 0.5)
+
+
+def test_estimate_credits_tiers_at_their_load_cost() -> None:
+    m = model()
+    r = request(10_000)
+    gpu = m.estimate(r, view(gpu=8000))
+    cpu = m.estimate(r, view(cpu=8000))
+    cold = m.estimate(r, view())
+    assert gpu.ttft_ms == pytest.approx(20 + 0.035 * 2000)
+    assert cpu.ttft_ms == pytest.approx(20 + 0.035 * 2000 + 0.015 * 8000)
+    assert cold.ttft_ms == pytest.approx(20 + 0.035 * 10_000)
+    assert gpu.ttft_ms < cpu.ttft_ms < cold.ttft_ms
+    assert cpu.cached_tokens_by_tier == {"gpu": 0, "cpu": 8000, "storage": 0}
+    # Predicted tokens count like GPU ones; a whole-prompt hit still computes the last token.
+    full = m.estimate(r, view(gpu=6000, predicted=4000))
+    assert full.cached_tokens == 9999 and full.prefill_ms == pytest.approx(20 + 0.035)
+
+
+def test_approximate_matches_are_discounted() -> None:
+    m = model()
+    est = m.estimate(request(10_000), view(gpu=8000), match_weight=0.5)
+    assert est.cached_tokens == 4000
+
+
+def test_long_prefix_transfer_beats_recompute_about_4x() -> None:
+    # DESIGN.md: whole-GPU recompute 0.06 ms/token, 320 KiB/token, 22 GiB/s + 12 ms setup.
+    m = model(PrefillCost(fixed_ms=20, per_token_ms=0.06))
+    r = request(40_016)
+    source, dest = view("warm", gpu=40_000), view("idle")
+    transfer = m.transfer_estimate(r, source, dest)
+    assert transfer is not None
+    assert transfer.bytes == 40_016 * KV_BYTES
+    assert transfer.wire_ms == pytest.approx(12 + 40_016 * KV_BYTES / (22 * GIB) * 1000)
+    assert transfer.wire_ms == pytest.approx(568, abs=2)  # "moving 12.2 GiB takes ~565 ms"
+    recompute = m.estimate(r, dest).ttft_ms
+    assert 3.5 < recompute / transfer.ms < 4.5
+
+
+def test_short_prefix_transfer_loses_to_recompute() -> None:
+    m = model(transfer=TransferConfig(connector="nixl", min_tokens=0))
+    r = request(516)
+    transfer = m.transfer_estimate(r, view("warm", gpu=500), view("idle"))
+    assert transfer is not None
+    assert transfer.wire_ms == pytest.approx(19, abs=0.5)  # "156 MiB spends 12 of its 19 ms on setup"
+    assert transfer.ms > m.estimate(r, view("idle")).ttft_ms
+
+
+def test_transfer_estimate_pays_the_source_queue_and_dest_queue() -> None:
+    m = model()
+    r = request(40_016)
+    idle = m.transfer_estimate(r, view("warm", gpu=40_000), view("idle"))
+    busy_source = view("warm", gpu=40_000, in_flight_prefilling=2, in_flight_prefill_tokens=2000)
+    busy_dest = view("idle", in_flight_prefilling=1, in_flight_prefill_tokens=1000)
+    slower = m.transfer_estimate(r, busy_source, busy_dest)
+    assert idle is not None and slower is not None
+    assert slower.ms - idle.ms == pytest.approx((40 + 70) + (20 + 35))
+
+
+def test_transfer_only_when_configured_healthy_and_long_enough() -> None:
+    r = request(40_016)
+    warm, idle = view("warm", gpu=40_000), view("idle")
+    assert model(transfer=TransferConfig()).transfer_estimate(r, warm, idle) is None
+    assert model().transfer_estimate(r, view("warm", healthy=False, gpu=40_000), idle) is None
+    assert model().transfer_estimate(r, warm, warm) is None
+    assert model().transfer_estimate(request(1000), view("warm", gpu=900), idle) is None  # < min_tokens 1024
+    # Only what the destination lacks crosses the link.
+    partial = model().transfer_estimate(r, warm, view("idle", gpu=30_000))
+    assert partial is not None and partial.tokens == 10_016 and partial.saved_tokens == 10_000

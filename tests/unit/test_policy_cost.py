@@ -1,0 +1,156 @@
+"""The ``cost`` policy on constructed fleet states: warm-but-busy vs idle, tiers, health, ties, sessions, explain."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+from cache_index.match import PrefixMatch
+from policies.base import ReplicaView, RouteRequest
+from policies.config import CostPolicyConfig, PrefillCost, TransferConfig
+from policies.cost import CostPolicy
+from policies.cost_model import CostModel
+from policies.explain import explain_replicas
+
+EXACT = CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0)
+
+
+def model(transfer: TransferConfig = TransferConfig(), prefill: PrefillCost = PrefillCost()) -> CostModel:
+    return CostModel(prefill, {"cpu": 0.015, "storage": 0.03}, transfer, 320 * 1024)
+
+
+def policy(config: CostPolicyConfig = CostPolicyConfig(), cost_model: CostModel | None = None, seed: int = 0) -> CostPolicy:
+    return CostPolicy(config, cost_model or model(), random.Random(seed))
+
+
+def request(tokens: int, **kw: object) -> RouteRequest:
+    return RouteRequest(request_id="r", model="m", prompt_tokens=tokens, block_size=16, **kw)
+
+
+def view(name: str, *, healthy: bool = True, queued: int = 0, queued_tokens: int = 0, **kw: object) -> ReplicaView:
+    """A replica with ``queued`` of the router's requests still prefilling ``queued_tokens`` uncached tokens."""
+    match = PrefixMatch(**{t: kw.pop(t) for t in ("gpu", "cpu", "storage", "predicted") if t in kw})
+    return ReplicaView(
+        name=name,
+        healthy=healthy,
+        match=match,
+        in_flight=queued,
+        in_flight_prefilling=queued,
+        in_flight_prefill_tokens=queued_tokens,
+        **kw,
+    )
+
+
+def test_warm_wins_until_its_queue_eats_the_saving() -> None:
+    # 31,000-token prompt, 30,000 held by "warm". Each queued request there is a warm hit with 1,000 new tokens.
+    prompt, held, per_queued = 31_000, 30_000, 1_000
+    cost = PrefillCost()
+    idle_ttft = cost.fixed_ms + cost.per_token_ms * prompt
+    warm_prefill = cost.fixed_ms + cost.per_token_ms * (prompt - held)
+    queued_cost = cost.fixed_ms + cost.per_token_ms * per_queued
+    crossover = math.floor((idle_ttft - warm_prefill) / queued_cost)  # deepest queue where warm still wins
+    assert crossover == 19
+    p = policy(EXACT)
+    for depth, expected, reason in ((0, "warm", "warm"), (crossover, "warm", "warm"), (crossover + 1, "idle", "idle-recompute")):
+        fleet = [view("warm", gpu=held, queued=depth, queued_tokens=depth * per_queued), view("idle")]
+        decision = p.decide(request(prompt), fleet)
+        assert (decision.replica, decision.reason) == (expected, reason), depth
+        assert decision.ranked == [expected, "idle" if expected == "warm" else "warm"]
+
+
+def test_short_prefix_goes_warm_only_while_queue_is_tiny() -> None:
+    # 500 cached tokens save 17.5 ms: one queued request (20 ms fixed) already costs more.
+    p = policy(EXACT)
+    assert p.decide(request(600), [view("warm", gpu=500), view("idle")]).replica == "warm"
+    assert p.decide(request(600), [view("warm", gpu=500, queued=1, queued_tokens=10), view("idle")]).replica == "idle"
+
+
+def test_lower_tiers_are_credited_at_load_cost() -> None:
+    p = policy(EXACT)
+    r = request(10_000)
+    assert p.decide(r, [view("cpu", cpu=8000), view("cold")]).replica == "cpu"
+    assert p.decide(r, [view("cpu", cpu=8000), view("gpu", gpu=8000)]).replica == "gpu"
+    # Storage at 0.03 ms/token still beats recomputing at 0.035, CPU at 0.015 beats storage.
+    assert p.decide(r, [view("storage", storage=8000), view("cpu", cpu=8000)]).replica == "cpu"
+    assert p.decide(r, [view("storage", storage=8000), view("cold")]).replica == "storage"
+
+
+def test_unhealthy_never_picked_while_a_healthy_one_exists() -> None:
+    p = policy()
+    fleet = [view("warm", healthy=False, gpu=9000), view("busy", queued=50, queued_tokens=100_000)]
+    decision = p.decide(request(10_000), fleet)
+    assert decision.replica == "busy" and decision.ranked == ["busy"]
+    assert "warm" not in decision.details["replicas"]
+    everyone_down = [view("a", healthy=False), view("b", healthy=False, gpu=9000)]
+    assert p.decide(request(10_000), everyone_down).replica == "b"
+
+
+def test_near_ties_spread_randomly_then_by_load() -> None:
+    p = policy(seed=7)
+    cold = [view(name) for name in "abcd"]
+    counts = Counter(p.decide(request(2000), cold).replica for _ in range(400))
+    assert set(counts) == set("abcd") and min(counts.values()) > 60
+    # Within the margin, the less loaded replica wins even with a slightly higher TTFT.
+    near = [view("a", gpu=100), view("b", queued=0), view("c", gpu=100, scraped_waiting=0, scraped_running=3)]
+    counts = Counter(p.decide(request(2000), near).replica for _ in range(50))
+    assert set(counts) <= {"a", "b"}
+    # Two routers with different seeds do not all pick the same replica.
+    firsts = {policy(seed=s).decide(request(2000), cold).replica for s in range(20)}
+    assert len(firsts) > 1
+
+
+def test_session_bonus_is_soft() -> None:
+    cm = model(prefill=PrefillCost(decode_ms_per_token=0.5))
+    p = policy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=10), cm)
+    # 16 running sequences x 0.5 ms: 8 ms worse than "other", within the 10 ms bonus.
+    close = view("session", last_session_match=True, scraped_waiting=0, scraped_running=16)
+    decision = p.decide(request(1000), [close, view("other")])
+    assert (decision.replica, decision.reason) == ("session", "session")
+    # 10 queued requests (200+ ms) worse: the bonus does not pin the request.
+    far = view("session", last_session_match=True, queued=10, queued_tokens=2000)
+    assert p.decide(request(1000), [far, view("other")]).replica == "other"
+
+
+def test_approximate_matches_count_less() -> None:
+    exact = policy(EXACT)
+    approximate = policy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0, approximate_match_weight=0.25))
+    # warm saves 140 ms at full weight, 35 at a quarter; its queue costs 60.
+    fleet = [view("warm", gpu=4000, queued=3), view("idle")]
+    assert exact.decide(request(5000), fleet).replica == "warm"
+    decision = approximate.decide(request(5000, approximate=True), fleet)
+    assert decision.replica == "idle"
+    assert decision.details["replicas"]["warm"]["cached_tokens"] == 1000
+
+
+def test_details_carry_per_replica_numbers_like_explain_helper() -> None:
+    cm = model()
+    p = policy(EXACT, cm)
+    fleet = [view("warm", gpu=3000, queued=1, queued_tokens=500), view("idle")]
+    r = request(4000)
+    decision = p.decide(r, fleet)
+    rows = decision.details["replicas"]
+    assert set(rows) == {"warm", "idle"}
+    assert rows["warm"]["queue_delay_ms"] == round(20 + 0.035 * 500, 3)
+    assert rows["warm"]["cached_tokens"] == 3000
+    assert rows["idle"]["predicted_ttft_ms"] == round(20 + 0.035 * 4000, 3)
+    assert rows == explain_replicas(r, fleet, cm)
+
+
+def test_transfer_candidates_are_explained_and_never_beat_routing_to_their_source() -> None:
+    # The handshake waits in the source's queue, so pulling from a healthy source costs at least routing there.
+    cm = model(TransferConfig(connector="nixl"), PrefillCost(per_token_ms=0.06))
+    p = policy(EXACT, cm)
+    r = request(40_016)
+    for depth in (0, 10, 40, 200):
+        fleet = [view("warm", gpu=40_000, queued=depth, queued_tokens=depth * 1000), view("idle")]
+        decision = p.decide(r, fleet)
+        assert decision.action == "route"
+        transfers = decision.details.get("transfers", [])
+        for t in transfers:
+            assert t["predicted_ttft_ms"] > decision.details["replicas"]["warm"]["predicted_ttft_ms"]
+    # Idle source: the transfer to "idle" (~600 ms) is listed, 4x better than recomputing there.
+    decision = p.decide(r, [view("warm", gpu=40_000), view("idle")])
+    (transfer,) = decision.details["transfers"]
+    assert transfer["dest"] == "idle" and transfer["source"] == "warm"
+    assert decision.details["replicas"]["idle"]["predicted_ttft_ms"] / transfer["predicted_ttft_ms"] > 3.5
