@@ -1,0 +1,246 @@
+"""One ZMQ subscription per replica, feeding the :class:`EventIngestor` from the router's asyncio loop.
+
+Each :class:`KvEventSubscriber` owns a ``zmq.asyncio`` SUB socket connected to the replica's ``kv_events``
+endpoint. ZMQ reconnects by itself with exponential backoff (``RECONNECT_IVL`` → ``RECONNECT_IVL_MAX``); on top of
+that a liveness watch recreates the socket after ``idle_reconnect_s`` of silence, in case the peer went away without
+the TCP connection noticing. Frames are ``[topic, seq, payload]`` (``[seq, payload]`` is tolerated); anything else is
+counted as malformed and skipped, so a bad frame never stops the subscription.
+
+On a gap the subscriber asks the replica's replay endpoint (a ROUTER) with a DEALER: it sends
+``[b"", start_seq]`` and reads ``[b"", topic, seq, payload]`` (vLLM ≥0.26, SGLang ≥0.5.22) or
+``[b"", seq, payload]`` (older) replies until the end marker (``seq == END_SEQ``), within ``replay_timeout_s``.
+The replayed frames go through the same sequence rules. If there is no replay endpoint, it times out, or its
+buffer no longer starts at the missing frame, the replica is purged and the stream resumes from the live frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import zmq
+import zmq.asyncio
+
+from cache_index.ingest import ApplyResult, ApplyStatus, EventIngestor
+from cache_index.vllm_wire import END_SEQ, encode_seq
+
+log = logging.getLogger(__name__)
+
+_SEQ_BYTES = 8
+
+
+class ReplayFailed(Exception):
+    """The replay endpoint did not deliver the missing frames."""
+
+
+class KvEventSubscriber:
+    """Subscribes to one replica's (one DP rank's) KV-event stream and applies every frame to the ingestor."""
+
+    def __init__(
+        self,
+        ingestor: EventIngestor,
+        name: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        *,
+        dp_rank: int | None = None,
+        context: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = 2.0,
+        idle_reconnect_s: float = 30.0,
+    ) -> None:
+        self.ingestor = ingestor
+        self.name = name
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.dp_rank = dp_rank
+        self.replay_timeout_s = replay_timeout_s
+        self.idle_reconnect_s = idle_reconnect_s
+        self.frames_received = 0
+        self.malformed_frames = 0
+        self.reconnects = 0
+        self._context = context or zmq.asyncio.Context.instance()
+        self._task: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()
+        """Set once the SUB socket is connected and subscribed (ZMQ may still be completing the handshake)."""
+
+    def start(self) -> asyncio.Task[None]:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events:{self.name}")
+        return self._task
+
+    def cancel(self) -> asyncio.Task[None] | None:
+        """Ask the subscription to end; returns its task so a caller can await it."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+        return task
+
+    async def stop(self) -> None:
+        task = self.cancel()
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        sock = self._context.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sock.connect(self.endpoint)
+        return sock
+
+    async def _run(self) -> None:
+        sock = self._connect()
+        self.ready.set()
+        try:
+            while True:
+                if not await sock.poll(self.idle_reconnect_s * 1000, zmq.POLLIN):
+                    sock.close(0)
+                    sock = self._connect()
+                    self.reconnects += 1
+                    continue
+                frames = await sock.recv_multipart()
+                self.frames_received += 1
+                try:
+                    await self.handle_frames(frames)
+                except Exception:  # a bug on one frame must not end the subscription
+                    log.exception("kv-events %s: frame handling failed", self.name)
+        finally:
+            sock.close(0)
+
+    async def handle_frames(self, frames: list[bytes]) -> ApplyResult | None:
+        """Apply one live message; on a gap, repair it by replay or purge."""
+        if len(frames) == 3:
+            _, seq_frame, payload = frames
+        elif len(frames) == 2:
+            seq_frame, payload = frames
+        else:
+            return self._malformed_frame()
+        if len(seq_frame) != _SEQ_BYTES:
+            return self._malformed_frame()
+        seq = int.from_bytes(seq_frame, "big")
+        result = self.ingestor.apply(self.name, seq, payload, self.dp_rank)
+        if result.status is ApplyStatus.GAP:
+            assert result.expected is not None
+            await self._repair(result.expected, seq, payload)
+        return result
+
+    def _malformed_frame(self) -> None:
+        self.malformed_frames += 1
+        self.ingestor.stats.dropped["malformed"] += 1
+
+    async def _repair(self, expected: int, live_seq: int, live_payload: bytes) -> None:
+        stats = self.ingestor.stats
+        generation = self.ingestor.generation(self.name)
+        if self.replay_endpoint is not None:
+            stats.replays_requested += 1
+            try:
+                replayed = await self._fetch_replay(expected)
+                if not replayed or replayed[0][0] != expected:
+                    raise ReplayFailed(f"replay starts at {replayed[0][0] if replayed else None}, need {expected}")
+                for seq, payload in replayed:
+                    result = self.ingestor.apply(
+                        self.name, seq, payload, self.dp_rank, source="replay", generation=generation
+                    )
+                    if result.status in (ApplyStatus.GAP, ApplyStatus.STALE, ApplyStatus.UNKNOWN_REPLICA):
+                        raise ReplayFailed(f"replayed frame {seq}: {result.status.value}")
+            except (ReplayFailed, zmq.ZMQError, TimeoutError) as exc:
+                stats.replays_failed += 1
+                log.warning("kv-events %s: replay from %d failed (%s); purging", self.name, expected, exc)
+            else:
+                stats.replays_succeeded += 1
+                if replayed[-1][0] < live_seq:
+                    self.ingestor.apply(self.name, live_seq, live_payload, self.dp_rank)
+                return
+        self.ingestor.purge(self.name, self.dp_rank)
+        self.ingestor.apply(self.name, live_seq, live_payload, self.dp_rank)
+
+    async def _fetch_replay(self, start_seq: int) -> list[tuple[int, bytes]]:
+        """Every buffered ``(seq, payload)`` from ``start_seq`` on, read from the replay ROUTER until its end marker."""
+        assert self.replay_endpoint is not None
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.replay_endpoint)
+            await sock.send_multipart([b"", encode_seq(start_seq)])
+            frames: list[tuple[int, bytes]] = []
+            async with asyncio.timeout(self.replay_timeout_s):
+                while True:
+                    reply = await sock.recv_multipart()
+                    if len(reply) == 4:
+                        _, _, seq_frame, payload = reply
+                    elif len(reply) == 3:
+                        _, seq_frame, payload = reply
+                    else:
+                        raise ReplayFailed(f"replay reply with {len(reply)} frames")
+                    if seq_frame == END_SEQ:
+                        return frames
+                    if len(seq_frame) != _SEQ_BYTES:
+                        raise ReplayFailed("replay reply with a bad sequence frame")
+                    frames.append((int.from_bytes(seq_frame, "big"), payload))
+        finally:
+            sock.close(0)
+
+
+class SubscriptionManager:
+    """Starts and stops one :class:`KvEventSubscriber` per (replica, DP rank) on the running loop."""
+
+    def __init__(
+        self,
+        ingestor: EventIngestor,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = 2.0,
+        idle_reconnect_s: float = 30.0,
+    ) -> None:
+        self.ingestor = ingestor
+        self.replay_timeout_s = replay_timeout_s
+        self.idle_reconnect_s = idle_reconnect_s
+        self._context = context or zmq.asyncio.Context.instance()
+        self._subscribers: dict[tuple[str, int | None], KvEventSubscriber] = {}
+
+    def start(
+        self,
+        name: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        dp_rank: int | None = None,
+    ) -> KvEventSubscriber:
+        """Subscribe (replacing an existing subscription of the same replica and rank if its endpoints changed)."""
+        key = (name, dp_rank)
+        current = self._subscribers.get(key)
+        if current is not None:
+            if (current.endpoint, current.replay_endpoint, current.topic) == (endpoint, replay_endpoint, topic):
+                return current
+            current.cancel()
+        subscriber = KvEventSubscriber(
+            self.ingestor,
+            name,
+            endpoint,
+            replay_endpoint,
+            topic,
+            dp_rank=dp_rank,
+            context=self._context,
+            replay_timeout_s=self.replay_timeout_s,
+            idle_reconnect_s=self.idle_reconnect_s,
+        )
+        self._subscribers[key] = subscriber
+        subscriber.start()
+        return subscriber
+
+    async def stop(self, name: str) -> None:
+        """Stop every subscription of a replica."""
+        for key in [k for k in self._subscribers if k[0] == name]:
+            await self._subscribers.pop(key).stop()
+
+    async def stop_all(self) -> None:
+        for key in list(self._subscribers):
+            await self._subscribers.pop(key).stop()
+
+    def subscribers(self) -> list[KvEventSubscriber]:
+        return list(self._subscribers.values())
