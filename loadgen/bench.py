@@ -1,0 +1,257 @@
+"""``kvgate bench``: every routing policy on its own fresh simulated fleet, the same seeded workload, one report.
+
+For each policy: start ``kvgate sim`` (same arguments every time, free ports, ``--write-config``) and ``kvgate serve
+--config ... --policy P`` in front of it, wait until both are ready, run the workload, stop both. ``--peer sglang``
+adds the SGLang Model Gateway (cache_aware) in front of an identical fleet when ``sglang_router`` is installed. Every
+child runs in its own process group and is stopped by PID when its run ends — also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from loadgen.cli import add_workload_arguments, drive, load_workload, run_config
+from loadgen.plots import write_plots
+from loadgen.report import compare, print_table, summarize, write_results
+from loadgen.runner import RequestRecord
+from loadgen.workloads import Request
+from policies.config import ConfigError, load_config
+
+POLICIES = ("cost", "prefix_affinity", "least_loaded", "round_robin")
+PEERS = ("sglang",)
+KVGATE = [sys.executable, "-m", "router.cli"]
+
+
+def free_port_block(n: int) -> int:
+    """First port p of a random start such that p..p+n-1 are free on 127.0.0.1."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports on 127.0.0.1")
+
+
+@dataclass
+class Child:
+    """A subprocess in its own session (process group), logging to a file, stopped by PID."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "Child":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, url: str, timeout_s: float) -> None:
+        """Poll ``url`` until it answers 200; fail early if the child exits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited early; last output:\n{self._tail()}")
+            try:
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name}: {url} not ready after {timeout_s:.0f}s; last output:\n{self._tail()}")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the process group, then SIGKILL whatever is left of it (the leader included) after ``grace_s``."""
+        if self.proc is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)
+        self.proc.wait(grace_s)
+
+    def _signal_group(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+@dataclass(frozen=True)
+class Fleet:
+    config_path: Path
+    replica_urls: list[str]
+    replica_names: list[str]
+
+
+@contextmanager
+def running(child: Child) -> Iterator[Child]:
+    child.start()
+    try:
+        yield child
+    finally:
+        child.stop()
+
+
+@contextmanager
+def sim_fleet(args: argparse.Namespace, out_dir: Path, label: str) -> Iterator[Fleet]:
+    http_port = free_port_block(args.replicas)
+    zmq_port = free_port_block(2 * args.replicas)
+    config = out_dir / "logs" / f"{label}-fleet.yaml"
+    cmd = [*KVGATE, "sim", "--replicas", str(args.replicas), "--port", str(http_port), "--zmq-port", str(zmq_port),
+           "--time-scale", str(args.time_scale), "--write-config", str(config)]
+    if args.kv_blocks is not None:
+        cmd += ["--kv-blocks", str(args.kv_blocks)]
+    cmd += shlex.split(args.sim_args)
+    with running(Child(f"{label} sim", cmd, out_dir / "logs" / f"{label}-sim.log")) as sim:
+        urls = [f"http://127.0.0.1:{http_port + i}" for i in range(args.replicas)]
+        for url in urls:
+            sim.wait_ready(url + "/health", args.ready_timeout)
+        deadline = time.monotonic() + args.ready_timeout
+        while not config.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        names = [r.name for r in load_config(config).replicas]
+        yield Fleet(config, urls, names)
+
+
+@contextmanager
+def gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str) -> Iterator[str]:
+    """kvgate serve with ``policy`` in front of ``fleet``; yields its base URL once /ready says 200."""
+    port = free_port_block(1)
+    cmd = [*KVGATE, "serve", "--config", str(fleet.config_path), "--host", "127.0.0.1", "--port", str(port),
+           "--policy", policy, *shlex.split(args.serve_args)]
+    url = f"http://127.0.0.1:{port}"
+    with running(Child(f"kvgate serve ({policy})", cmd, out_dir / "logs" / f"{policy}-kvgate.log")) as gw:
+        gw.wait_ready(url + "/ready", args.ready_timeout)
+        yield url
+
+
+@contextmanager
+def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet) -> Iterator[str]:
+    """The SGLang Model Gateway with its cache_aware policy (default parameters) in front of ``fleet``."""
+    port = free_port_block(1)
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *fleet.replica_urls,
+           "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.peer_args)]
+    url = f"http://127.0.0.1:{port}"
+    with running(Child("sglang router", cmd, out_dir / "logs" / "sglang-router.log")) as gw:
+        gw.wait_ready(url + "/health", args.ready_timeout)
+        yield url
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    b = parser.add_argument_group("bench")
+    b.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated (default {','.join(POLICIES)})")
+    b.add_argument("--replicas", type=int, default=8, help="simulated replicas per fleet (default 8)")
+    b.add_argument("--kv-blocks", type=int, help="KV blocks per simulated replica (sim default if unset)")
+    b.add_argument("--time-scale", type=float, default=0.1,
+                   help="sim time scale (default 0.1); trace replay speeds up by 1/time-scale unless --speed is given")
+    b.add_argument("--peer", action="append", choices=PEERS, default=[], help="also run a peer router (sglang)")
+    b.add_argument("--peer-args", default="", help="extra arguments for the peer router")
+    b.add_argument("--sim-args", default="", help="extra arguments for kvgate sim, e.g. '--cpu-blocks 4096'")
+    b.add_argument("--serve-args", default="", help="extra arguments for kvgate serve")
+    b.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for sim and gateway readiness")
+    add_workload_arguments(parser)
+    parser.set_defaults(speed=None)
+
+
+def _runs(args: argparse.Namespace) -> list[str]:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    return policies + list(dict.fromkeys(args.peer))
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    if args.speed is None:
+        args.speed = 1.0 / args.time_scale if args.time_scale > 0 else 1.0
+    runs = _runs(args)
+    if not runs:
+        console.print("[red]no policies to run")
+        return 2
+    if "sglang" in runs and importlib.util.find_spec("sglang_router") is None:
+        console.print("[yellow]--peer sglang skipped: sglang_router is not installed (pip install sglang-router)")
+        runs.remove("sglang")
+    requests = load_workload(args, console)
+    if requests is None:
+        return 2
+    out_dir: Path = args.out or Path("bench-out") / f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"{args.workload}: {len(requests)} requests, {sum(r.prompt_tokens for r in requests):,} prompt tokens;"
+                  f" {args.replicas} replicas; runs: {', '.join(runs)}; output in {out_dir}")
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    records: dict[str, list[RequestRecord]] = {}
+    fleets: dict[str, list[str]] = {}
+    try:
+        for name in runs:
+            console.print(f"[bold]{name}[/]: starting a fresh fleet")
+            records[name], fleets[name] = _run_one(args, out_dir, name, requests)
+            done = summarize(records[name], fleets[name])
+            console.print(f"[bold]{name}[/]: {done['ok']}/{done['requests']} ok, TTFT mean {done['ttft_mean_ms']:.0f} ms")
+    except (RuntimeError, ConfigError) as e:
+        console.print(f"[red]bench stopped: {e}")
+        return 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; every process started was stopped")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    summaries = {name: summarize(recs, fleets[name]) for name, recs in records.items()}
+    ratios = compare(summaries)
+    title = f"kvgate bench: {args.workload}, {args.replicas} replicas, time scale {args.time_scale}"
+    meta = {
+        "workload": args.workload, "seed": args.seed, "requests": len(requests), "replicas": args.replicas,
+        "kv_blocks": args.kv_blocks, "time_scale": args.time_scale, "speed": args.speed, "policies": runs,
+        "argv": " ".join(sys.argv[1:]),
+        "note": "simulated fleet (kvgate sim) with its stated cost constants; latencies are in scaled (wall) time",
+    }
+    print_table(title, summaries, ratios, console)
+    write_results(out_dir, meta, records, summaries, ratios, title)
+    plots = write_plots(out_dir, records, summaries, fleets)
+    console.print(f"wrote {out_dir}/results.json, report.md" + (f", {len(plots)} plots" if plots else " (no matplotlib: no plots)"))
+    return 0
+
+
+def _run_one(args: argparse.Namespace, out_dir: Path, name: str, requests: list[Request]) -> tuple[list[RequestRecord], list[str]]:
+    with sim_fleet(args, out_dir, name) as fleet:
+        front = sglang_gateway(args, out_dir, fleet) if name == "sglang" else gateway(args, out_dir, fleet, name)
+        with front as url:
+            return drive(requests, run_config(args, url)), fleet.replica_names
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
