@@ -17,7 +17,7 @@ from policies.config import KvgateConfig, ModelConfig, PrefillCost, TransferConf
 GIB = 1024**3
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Estimate:
     """Predicted time to first token of one request on one replica, and its parts (all in ms)."""
 
@@ -33,16 +33,16 @@ class Estimate:
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "queue_delay_ms": round(self.queue_delay_ms, 3),
-            "predicted_ttft_ms": round(self.ttft_ms, 3),
-            "prefill_ms": round(self.prefill_ms, 3),
-            "load_ms": round(self.load_ms, 3),
+            "queue_delay_ms": self.queue_delay_ms,
+            "predicted_ttft_ms": self.ttft_ms,
+            "prefill_ms": self.prefill_ms,
+            "load_ms": self.load_ms,
             "cached_tokens": self.cached_tokens,
             "cached_tokens_by_tier": self.cached_tokens_by_tier,
         }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TransferEstimate:
     """Predicted TTFT of serving a request on ``dest`` with KV pulled from ``source`` (vLLM NixlConnector).
 
@@ -76,12 +76,12 @@ class TransferEstimate:
             "tokens": self.tokens,
             "saved_tokens": self.saved_tokens,
             "bytes": self.bytes,
-            "source_queue_ms": round(self.source_queue_ms, 3),
-            "source_prefill_ms": round(self.source_prefill_ms, 3),
-            "wire_ms": round(self.wire_ms, 3),
-            "dest_queue_ms": round(self.dest_queue_ms, 3),
-            "dest_step_ms": round(self.dest_step_ms, 3),
-            "predicted_ttft_ms": round(self.ms, 3),
+            "source_queue_ms": self.source_queue_ms,
+            "source_prefill_ms": self.source_prefill_ms,
+            "wire_ms": self.wire_ms,
+            "dest_queue_ms": self.dest_queue_ms,
+            "dest_step_ms": self.dest_step_ms,
+            "predicted_ttft_ms": self.ms,
         }
 
 
@@ -122,7 +122,7 @@ class CostModel:
     def transfer_enabled(self) -> bool:
         return self.transfer.connector != "none"
 
-    def prefill_ms(self, tokens: int, context: int = 0) -> float:
+    def prefill_ms(self, tokens: float, context: float = 0) -> float:
         """Prefill time of ``tokens`` new tokens after ``context`` cached ones.
 
         The fixed cost applies to every request (even a full cache hit runs one engine step). The quadratic
@@ -154,20 +154,20 @@ class CostModel:
         tokens = view.in_flight_prefill_tokens
         if tokens > 0 and prefilling == 0:
             prefilling = 1
-        own = 0.0
+        delay = 0.0
+        mean_tokens: float = self.default_prompt_tokens
         if prefilling:
             mean_tokens = tokens / prefilling
-            own = prefilling * self.prefill_ms(round(mean_tokens)) if mean_tokens >= 1 else prefilling * p.fixed_ms
-        else:
-            mean_tokens = float(self.default_prompt_tokens)
-        foreign = 0.0
-        if view.scraped_waiting:
-            unknown = view.scraped_waiting - prefilling
-            if unknown > 0:
-                foreign = unknown * self.prefill_ms(round(mean_tokens))
-        running = view.scraped_running if view.scraped_running is not None else view.in_flight - prefilling
-        decode = max(running, 0) * p.decode_ms_per_token
-        return own + foreign + decode
+            delay = prefilling * p.fixed_ms + p.per_token_ms * tokens
+            if p.quadratic_ms:
+                delay += p.quadratic_ms * tokens * tokens / (prefilling * 1e6)
+        waiting = view.scraped_waiting
+        if waiting is not None and waiting > prefilling:
+            delay += (waiting - prefilling) * self.prefill_ms(mean_tokens)
+        if p.decode_ms_per_token:
+            running = view.scraped_running if view.scraped_running is not None else view.in_flight - prefilling
+            delay += max(running, 0) * p.decode_ms_per_token
+        return delay
 
     def estimate(
         self,
@@ -187,10 +187,13 @@ class CostModel:
         match = view.match
         room = max(request.prompt_tokens - 1, 0)
         gpu = min(int((match.gpu + match.predicted) * match_weight), room)
-        cpu = min(int(match.cpu * match_weight), room - gpu)
-        storage = min(int(match.storage * match_weight), room - gpu - cpu)
+        cpu = storage = 0
+        load_ms = 0.0
+        if match.cpu or match.storage:
+            cpu = min(int(match.cpu * match_weight), room - gpu)
+            storage = min(int(match.storage * match_weight), room - gpu - cpu)
+            load_ms = self._load_ms(cpu, storage)
         cached = gpu + cpu + storage
-        load_ms = self._load_ms(cpu, storage)
         prefill = self.prefill_ms(request.prompt_tokens - cached, context=cached)
         return Estimate(
             queue_delay_ms=queue_ms,

@@ -11,7 +11,10 @@ from policies.load import replica_load
 
 def replica_numbers(view: ReplicaView, estimate: Estimate) -> dict[str, object]:
     """One replica's row: the cost model's estimate plus its health and load."""
-    return {**estimate.as_dict(), "healthy": view.healthy, "load": replica_load(view)}
+    row = estimate.as_dict()
+    row["healthy"] = view.healthy
+    row["load"] = replica_load(view)
+    return row
 
 
 def explain_replicas(

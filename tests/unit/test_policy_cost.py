@@ -6,6 +6,8 @@ import math
 import random
 from collections import Counter
 
+import pytest
+
 from cache_index.match import PrefixMatch
 from policies.base import ReplicaView, RouteRequest
 from policies.config import CostPolicyConfig, PrefillCost, TransferConfig
@@ -131,9 +133,9 @@ def test_details_carry_per_replica_numbers_like_explain_helper() -> None:
     decision = p.decide(r, fleet)
     rows = decision.details["replicas"]
     assert set(rows) == {"warm", "idle"}
-    assert rows["warm"]["queue_delay_ms"] == round(20 + 0.035 * 500, 3)
+    assert rows["warm"]["queue_delay_ms"] == pytest.approx(20 + 0.035 * 500)
     assert rows["warm"]["cached_tokens"] == 3000
-    assert rows["idle"]["predicted_ttft_ms"] == round(20 + 0.035 * 4000, 3)
+    assert rows["idle"]["predicted_ttft_ms"] == pytest.approx(20 + 0.035 * 4000)
     assert rows == explain_replicas(r, fleet, cm)
 
 
