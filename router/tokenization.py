@@ -1,19 +1,43 @@
 """Exact token ids as the engine computes them: the model's tokenizer.json and its chat template.
 
-This module holds the per-model tokenizer (:class:`ModelTokenizer`). The router's prompt tokenization path (caching,
-running off the event loop, /tokenize fallback, approximate mode) builds on it.
+This module holds the per-model tokenizer (:class:`ModelTokenizer`): chat messages are converted the way vLLM converts
+OpenAI messages for a template, rendered with the model's template (jinja2, sandboxed, as Hugging Face and vLLM do),
+and encoded with the tokenizers library. The router's prompt path (:mod:`router.prompts`) adds caching, runs it off
+the event loop and falls back to ``/tokenize`` or an approximation; the simulated fleet uses this module directly, so
+both sides compute the same ids by construction.
 """
 
 from __future__ import annotations
 
 import json
+import random
+import re
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import jinja2
+import jinja2.ext
+import jinja2.meta
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+ContentFormat = Literal["string", "openai"]
+"""How a template expects ``message.content``: one string (text parts joined), or the list of OpenAI parts."""
+
+TEXT_PART_FIELDS: dict[str, str] = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+"""Content part types that carry text, and the field holding it (as vLLM's chat parser reads them)."""
+
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"})
+"""Template variables kvgate sets itself; ``chat_template_kwargs`` cannot override them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +45,9 @@ class ChatTemplate:
     source: str
     template: jinja2.Template
     special_tokens: dict[str, Any]
+    content_format: ContentFormat
+    variables: frozenset[str]
+    """Undeclared variables the template reads: the only ``chat_template_kwargs`` that reach it (vLLM's rule)."""
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self.template.render(
@@ -28,24 +55,166 @@ class ChatTemplate:
         )
 
 
-def _compile_chat_template(source: str, special_tokens: dict[str, Any]) -> ChatTemplate:
-    # Hugging Face renders chat templates in a sandboxed environment with trim_blocks/lstrip_blocks; so does vLLM.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+def compile_chat_template(source: str, special_tokens: dict[str, Any]) -> ChatTemplate:
+    """Compile a chat template the way Hugging Face does (sandboxed, trim_blocks/lstrip_blocks; vLLM too).
+
+    Raises ``jinja2.TemplateSyntaxError`` for a template that does not parse.
+    """
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.globals["raise_exception"] = _raise_template_error
-    return ChatTemplate(source, env.from_string(source), special_tokens)
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    ast = env.parse(source)
+    variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
+    return ChatTemplate(source, env.from_string(source), special_tokens, _content_format(ast), variables)
 
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Hugging Face's tojson: no HTML escaping (jinja's default tojson escapes <, >, &, ').
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _content_format(ast: jinja2.nodes.Template) -> ContentFormat:
+    """``openai`` when the template loops over a message's content (it expects parts), else ``string``.
+
+    vLLM resolves ``--chat-template-content-format auto`` the same way: by looking for such a loop in the AST.
+    """
+    for loop in ast.find_all(jinja2.nodes.For):
+        it = loop.iter
+        if isinstance(it, jinja2.nodes.Filter) and it.node is not None:
+            it = it.node
+        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) and it.arg.value == "content":
+            return "openai"
+        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
+            return "openai"
+    return "string"
+
+
+def conversation_for_template(messages: Sequence[dict[str, Any]], content_format: ContentFormat) -> list[dict[str, Any]]:
+    """OpenAI chat messages as vLLM hands them to a chat template.
+
+    Text parts are joined with ``"\\n"`` for string-content templates or kept as ``{"type": "text"}`` parts for
+    templates that loop over parts; ``None`` content becomes empty; assistant tool-call arguments given as JSON
+    strings are parsed to dicts (``{}`` when not valid JSON); ``name``, ``tool_call_id`` and ``reasoning`` are kept.
+    Raises ``ValueError`` for content this text-only path cannot render (media parts, unknown part types).
+    """
+    conversation = []
+    for message in messages:
+        role = message["role"]
+        parts = message.get("content")
+        if parts is None:
+            parts = []
+        elif isinstance(parts, str):
+            parts = [parts]
+        texts = [_part_text(part) for part in parts]
+        texts = [t for t in texts if t is not None]
+        content: str | list[dict[str, str]]
+        if content_format == "openai":
+            content = [{"type": "text", "text": t} for t in texts]
+        else:
+            content = "\n".join(texts)
+        converted: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            if message.get("tool_calls") is not None:
+                converted["tool_calls"] = _tool_calls_for_template(message["tool_calls"])
+            if message.get("reasoning") is not None:
+                converted["reasoning"] = converted["reasoning_content"] = message["reasoning"]
+        elif role == "tool":
+            if "tool_call_id" in message:
+                converted["tool_call_id"] = message["tool_call_id"]
+            if isinstance(content, list):
+                converted["content"] = "\n".join(p["text"] for p in content)
+        if isinstance(message.get("name"), str):
+            converted["name"] = message["name"]
+        if role == "developer":
+            converted["tools"] = message.get("tools")
+        conversation.append(converted)
+    return conversation
+
+
+def _part_text(part: Any) -> str | None:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        raise ValueError("a content part must be a string or an object")
+    part_type = part.get("type")
+    field = TEXT_PART_FIELDS.get(part_type) if isinstance(part_type, str) else None
+    if field is None:
+        raise ValueError(f"content part type {part_type!r} cannot be rendered as text")
+    text = part.get(field)
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"content part field {field!r} must be a string")
+    return text
+
+
+def _tool_calls_for_template(tool_calls: Any) -> Any:
+    if not isinstance(tool_calls, list):
+        return tool_calls
+    if not tool_calls:
+        return None
+    converted = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            converted.append(call)
+            continue
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = {}
+        elif not isinstance(arguments, (dict, list)):
+            arguments = {}
+        converted.append({**call, "function": {**function, "arguments": arguments}})
+    return converted
+
+
+def cut_after_final_message(rendered: str, final_content: Any) -> str:
+    """``continue_final_message``: drop what the template wrote after the last message's text (Hugging Face's rule),
+    so the model continues that message instead of starting a new turn."""
+    final = final_content
+    if isinstance(final, list):
+        final = next((p.get("text") for p in reversed(final) if isinstance(p, dict) and "text" in p), None)
+    if not isinstance(final, str) or final.strip() not in rendered:
+        raise ValueError("continue_final_message is set but the final message does not appear in the rendered chat")
+    at = rendered.rindex(final.strip())
+    if rendered[at : at + len(final.lstrip())] == final:
+        return rendered[: at + len(final.lstrip())]
+    return rendered[: at + len(final.strip())]
+
+
 class ModelTokenizer:
     """One model's tokenizer and chat template, loaded from a local model directory or a tokenizer.json path."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None, add_bos: str | None = None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate | None,
+        add_bos: str | None = None,
+        special_tokens: dict[str, Any] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self._bos_id = tokenizer.token_to_id(add_bos) if add_bos else None
+        self.bos_id = tokenizer.token_to_id(add_bos) if add_bos else None
+        self.special_tokens = special_tokens if special_tokens is not None else {}
+        """bos/eos/pad/unk token texts, the variables every chat template (the model's or a request's) is given."""
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelTokenizer":
@@ -61,26 +230,71 @@ class ModelTokenizer:
         if template_source is None and chat_template_file.exists():
             template_source = chat_template_file.read_text()
         special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        template = _compile_chat_template(template_source, special) if template_source else None
+        template = compile_chat_template(template_source, special) if template_source else None
         add_bos = special["bos_token"] if config.get("add_bos_token") else None
-        return cls(tokenizer, template, add_bos)
+        return cls(tokenizer, template, add_bos, special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt, as vLLM encodes it (special tokens in the text are parsed as such)."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self._bos_id is not None and (not ids or ids[0] != self._bos_id):
-            ids.insert(0, self._bos_id)
+        # encode_batch releases the GIL (encode does not), so other threads and the event loop keep running.
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return self.with_bos(ids) if add_special_tokens else ids
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """Prepend the BOS token when the model's tokenizer adds one and the text did not already start with it."""
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
         return ids
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def template_for(self, chat_template: str | None) -> ChatTemplate:
+        """The model's template, or a request's own ``chat_template`` compiled with the model's special tokens.
+
+        Raises ``ValueError`` when there is none, ``jinja2.TemplateSyntaxError`` when the override does not parse.
+        """
+        if chat_template is not None:
+            return compile_chat_template(chat_template, self.special_tokens)
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.chat_template
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | ChatTemplate | None = None,
+        tools: list[Any] | None = None,
+        documents: list[Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text vLLM's chat endpoint builds for these OpenAI messages and options.
+
+        Raises ``ValueError`` / ``jinja2.TemplateError`` for messages or options the template rejects.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("cannot set both continue_final_message and add_generation_prompt")
+        template = chat_template if isinstance(chat_template, ChatTemplate) else self.template_for(chat_template)
+        conversation = conversation_for_template(messages, template.content_format)
+        extra = {
+            k: v for k, v in (chat_template_kwargs or {}).items() if k in template.variables and k not in TEMPLATE_ARGUMENTS
+        }
+        rendered = template.render(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            continue_final_message=continue_final_message,
+            **extra,
+        )
+        if continue_final_message and conversation:
+            rendered = cut_after_final_message(rendered, conversation[-1]["content"])
+        return rendered
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **options: Any) -> list[int]:
         """Token ids of a chat prompt: template rendered, then encoded without adding special tokens (vLLM's chat
-        default), since the template writes them itself."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        default), since the template writes them itself. ``options`` are :meth:`render_chat`'s keyword options."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **options), add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -93,3 +307,156 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # AddedToken serialised as {"content": "...", ...}
         return value.get("content")
     return value
+
+
+Piece = str | int
+"""A stretch of prompt text the tokenizer encodes on its own, or the id of an added token found in the prompt."""
+
+BYTE_LEVEL_SPLIT_PATTERNS = frozenset(
+    {
+        # Llama 3
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        # Qwen 2 / 2.5 / 3
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    }
+)
+"""Pre-tokenizer regexes (used with a regex-less ByteLevel) under which a letter or digit followed by a newline always
+ends a pre-token. GPT-2's ByteLevel regex has the same property."""
+
+_CHUNK_END = re.compile(r"[A-Za-z0-9](?=\n)")
+
+
+class PromptSplitter:
+    """Cuts prompt text into pieces whose token ids, concatenated, equal the ids of the whole text.
+
+    Two cuts are used, each only after a self-check on the loaded tokenizer proves it exact there:
+
+    * at added tokens (``<|im_start|>``...): Hugging Face tokenizers extract them before normalising and
+      pre-tokenising, so the text between two of them is encoded independently. Chat templates put them around every
+      message, so a growing chat re-encodes only its new messages.
+    * inside long text (documents), right after a letter or digit that precedes a newline, at most every
+      ``chunk_chars`` characters: with a ByteLevel pre-tokenizer of the GPT-2 / Llama 3 / Qwen family no pre-token
+      spans that point, and BPE never merges across pre-tokens. Cut points depend only on the text before them, so two
+      prompts sharing a document prefix share its pieces.
+
+    When a check fails (another tokenizer family, added tokens that strip whitespace...) that cut is simply not made
+    and the larger piece is encoded whole: slower, never wrong.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, chunk_chars: int = 2048):
+        self.chunk_chars = chunk_chars
+        added = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+        self._added_ids = added
+        self._added_re = _added_token_pattern(tokenizer, added)
+        self.splits_long_text = False
+        self.splits_at_added_tokens = self._added_re is not None and self._check(tokenizer, _ADDED_TOKEN_SAMPLES, added)
+        if not self.splits_at_added_tokens:
+            self._added_re = None
+        self.splits_long_text = _pre_tokenizer_ends_at_newlines(tokenizer) and self._check_chunks(tokenizer)
+
+    def pieces(self, text: str) -> list[Piece]:
+        if self._added_re is None:
+            return self._chunks(text) if text else []
+        pieces: list[Piece] = []
+        for i, part in enumerate(self._added_re.split(text)):
+            if i % 2:
+                pieces.append(self._added_ids[part])
+            elif part:
+                pieces.extend(self._chunks(part))
+        return pieces
+
+    def _chunks(self, text: str) -> list[Piece]:
+        if not self.splits_long_text or len(text) < 2 * self.chunk_chars:
+            return [text]
+        chunks: list[Piece] = []
+        start = 0
+        while len(text) - start >= 2 * self.chunk_chars:
+            match = _CHUNK_END.search(text, start + self.chunk_chars - 1)
+            if match is None:
+                break
+            chunks.append(text[start : match.end()])
+            start = match.end()
+        chunks.append(text[start:])
+        return chunks
+
+    def _check(self, tokenizer: Tokenizer, samples: Sequence[str], added: dict[str, int]) -> bool:
+        texts = [sample.format(token) for sample in samples for token in added]
+        texts += _random_texts(list(added), count=200, length=60)
+        return all(self._encode_pieces(tokenizer, t) == _encode_plain(tokenizer, t) for t in texts)
+
+    def _check_chunks(self, tokenizer: Tokenizer) -> bool:
+        saved = self.chunk_chars
+        self.chunk_chars = 1  # cut at every eligible point: the strictest test of the rule
+        try:
+            texts = _random_texts([], count=100, length=400)
+            return all(self._encode_pieces(tokenizer, t) == _encode_plain(tokenizer, t) for t in texts)
+        finally:
+            self.chunk_chars = saved
+
+    def _encode_pieces(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in self.pieces(text):
+            ids.extend([piece] if isinstance(piece, int) else _encode_plain(tokenizer, piece))
+        return ids
+
+
+def _encode_plain(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _added_token_pattern(tokenizer: Tokenizer, added: dict[str, int]) -> re.Pattern[str] | None:
+    """A regex finding added tokens leftmost-longest, as the tokenizer does; None when some added token strips
+    neighbouring whitespace or matches on normalised text (cuts there would not be exact)."""
+    if not added:
+        return None
+    has_normalizer = json.loads(tokenizer.to_str()).get("normalizer") is not None
+    for token in tokenizer.get_added_tokens_decoder().values():
+        if token.lstrip or token.rstrip or token.single_word or (token.normalized and has_normalizer):
+            return None
+    alternatives = sorted(added, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
+
+
+def _pre_tokenizer_ends_at_newlines(tokenizer: Tokenizer) -> bool:
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel":
+        return bool(pre.get("use_regex", True)) and not pre.get("add_prefix_space", False)
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if not steps or len(steps) != 2:
+        return False
+    split, byte_level = steps
+    return (
+        split.get("type") == "Split"
+        and split.get("pattern", {}).get("Regex") in BYTE_LEVEL_SPLIT_PATTERNS
+        and split.get("behavior") == "Isolated"
+        and not split.get("invert", False)
+        and byte_level.get("type") == "ByteLevel"
+        and not byte_level.get("use_regex", True)
+        and not byte_level.get("add_prefix_space", False)
+    )
+
+
+_ADDED_TOKEN_SAMPLES = (
+    "a{0}b",
+    " {0} ",
+    "\n{0}\n\n",
+    "{0}{0}",
+    "x{0}y{0}z",
+    "  hello {0}world  ",
+    "don't{0}'s",
+    "1234{0}5678",
+    "é中文{0}😀 ",
+)
+
+
+def _random_texts(added: list[str], count: int, length: int) -> list[str]:
+    """Deterministic adversarial texts: runs of spaces and newlines, contractions, digits, punctuation, unicode."""
+    rng = random.Random(20261129)
+    atoms = [" ", "  ", "\n", "\n\n", "\t", "\r\n", "a", "Z", "word", " the", "'s", "'ll", "'", "1", "2024", "3.14",
+             ".", ",", "!?", "...", "-", "_", "(", ")", "{", "}", "<", "|", ">", "é", "ß", "中文", "😀", "\u00a0",
+             "\u3000", "x\n", "9\n", "a.\n", "\n "] + added
+    return ["".join(rng.choice(atoms) for _ in range(rng.randint(1, length))) for _ in range(count)]

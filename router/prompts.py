@@ -1,0 +1,457 @@
+"""From an OpenAI request body to the prompt's token ids, as the engine will compute them, without blocking the loop.
+
+Three sources, tried in order:
+
+1. ``local``: the model's tokenizer and chat template (:class:`router.tokenization.ModelTokenizer`), exact. Prompt
+   text is cut into pieces that encode independently (:class:`router.tokenization.PromptSplitter`: at special
+   tokens, so per chat message, and inside long documents) and each piece's ids are kept in a bounded LRU, so a
+   growing chat or a re-sent document costs a template render and a few dictionary look-ups instead of a full encode.
+2. ``engine``: an engine's ``POST /tokenize`` through an injected async callable (the gateway picks a healthy replica;
+   no HTTP here), for models without a local tokenizer or with content the local path cannot render (media parts).
+3. ``approximate``: stable pseudo ids, one per 4 bytes of rendered text, flagged ``approximate=True`` so decisions
+   and metrics say so. Repeated prompts give the same ids, and prompts sharing a text prefix share an id prefix.
+
+Prompts given as token ids are used as is (``ids``). A completions request with a batch of prompts is routed on its
+first prompt; ``prompt_count`` says how many there were. All CPU-heavy work runs on a small thread pool (the
+tokenizers library releases the GIL in ``encode_batch``). Client mistakes raise :class:`PromptError`, which the
+gateway answers with a 400 in OpenAI's error format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import zlib
+from array import array
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from threading import Lock
+from typing import Any, Awaitable, Callable, Literal, Sequence
+
+import jinja2
+
+from policies.config import ConfigError, ModelConfig
+from router.tokenization import (
+    TEXT_PART_FIELDS,
+    ChatTemplate,
+    ModelTokenizer,
+    PromptSplitter,
+    compile_chat_template,
+)
+
+Endpoint = Literal["completions", "chat"]
+Source = Literal["local", "engine", "approximate", "ids"]
+EngineTokenize = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+"""Sends a vLLM ``/tokenize`` body (``{"model", "prompt"}`` or ``{"model", "messages", ...}``) to a replica serving
+the model and returns the decoded JSON response (``{"count", "tokens", ...}``); raises on any failure."""
+
+MEDIA_PART_TYPES = frozenset(
+    {"image_url", "input_image", "image_embeds", "image_pil", "audio_url", "input_audio", "audio_embeds", "video_url"}
+)
+"""Content parts only the engine can turn into tokens (it inserts model-specific placeholder tokens)."""
+
+APPROXIMATE_BYTES_PER_TOKEN = 4
+
+
+class PromptError(Exception):
+    """A request body the engine would reject: the gateway answers 400 with this message and ``param``."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedPrompt:
+    token_ids: list[int]
+    approximate: bool
+    source: Source
+    cpu_ms: float
+    """CPU time kvgate spent on this prompt (event loop and worker thread; the engine's time not included)."""
+    prompt_count: int = 1
+    """Prompts in a batched completions request; ``token_ids`` are the first one's."""
+
+
+@dataclass(slots=True)
+class TokenizerStats:
+    """Plain counters for the metrics exporter; updated on the event loop only."""
+
+    by_source: dict[str, int] = field(default_factory=lambda: {"local": 0, "engine": 0, "approximate": 0, "ids": 0})
+    engine_errors: int = 0
+    cpu_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _CompletionPrompt:
+    text: str | None
+    ids: list[int] | None
+    add_special_tokens: bool
+    prompt_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatPrompt:
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    add_special_tokens: bool
+    chat_template: str | None
+    chat_template_kwargs: dict[str, Any] | None
+    tools: list[Any] | None
+    documents: list[Any] | None
+    has_media: bool
+
+
+class PieceCache:
+    """LRU of (model, prompt piece) → token ids, bounded by an estimate of the memory it holds.
+
+    Ids are stored as ``array('I')`` (4 bytes per token instead of ~36 for a list of ints). Thread-safe: the worker
+    threads look up and fill it under one lock, a few dictionary operations per piece.
+    """
+
+    ENTRY_OVERHEAD = 200
+    """Bytes per entry beyond the key text and the ids: tuple, array header, OrderedDict node."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self._entries: OrderedDict[tuple[str, str], array[int]] = OrderedDict()
+        self._lock = Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get_many(self, keys: Sequence[tuple[str, str]]) -> list[array[int] | None]:
+        found: list[array[int] | None] = []
+        with self._lock:
+            for key in keys:
+                ids = self._entries.get(key)
+                if ids is not None:
+                    self._entries.move_to_end(key)
+                found.append(ids)
+            hits = sum(ids is not None for ids in found)
+            self.hits += hits
+            self.misses += len(keys) - hits
+        return found
+
+    def put_many(self, items: Sequence[tuple[tuple[str, str], array[int]]]) -> None:
+        with self._lock:
+            for key, ids in items:
+                size = self._size(key, ids)
+                if size > self.max_bytes or key in self._entries:
+                    continue
+                self._entries[key] = ids
+                self.bytes += size
+            while self.bytes > self.max_bytes:
+                old_key, old_ids = self._entries.popitem(last=False)
+                self.bytes -= self._size(old_key, old_ids)
+                self.evictions += 1
+
+    def _size(self, key: tuple[str, str], ids: array[int]) -> int:
+        return sys.getsizeof(key[1]) + ids.itemsize * len(ids) + self.ENTRY_OVERHEAD
+
+
+@dataclass(frozen=True, slots=True)
+class _LocalModel:
+    name: str
+    tokenizer: ModelTokenizer
+    splitter: PromptSplitter
+
+
+class PromptTokenizer:
+    """Tokenizes request prompts for routing: exact and cached where a local tokenizer exists, else via the engine,
+    else approximately. One per gateway process; :meth:`close` stops its worker threads."""
+
+    def __init__(
+        self,
+        models: Sequence[ModelConfig],
+        engine_tokenize: EngineTokenize | None = None,
+        *,
+        cache_bytes: int = 256 * 1024 * 1024,
+        workers: int = 2,
+        engine_timeout_s: float = 2.0,
+        chunk_chars: int = 2048,
+    ) -> None:
+        """Loads every configured model's tokenizer now, so a bad path fails at startup (``ConfigError``)."""
+        self._models: dict[str, _LocalModel] = {}
+        for model in models:
+            if model.tokenizer is None:
+                continue
+            try:
+                tokenizer = ModelTokenizer.from_path(model.tokenizer)
+            except Exception as err:  # tokenizers, json and jinja2 each raise their own types
+                raise ConfigError(f"models.{model.name}.tokenizer: cannot load {model.tokenizer!r}: {err}") from err
+            self._models[model.name] = _LocalModel(model.name, tokenizer, PromptSplitter(tokenizer.tokenizer, chunk_chars))
+        self._engine_tokenize = engine_tokenize
+        self._engine_timeout_s = engine_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-tokenize")
+        self._request_templates: OrderedDict[tuple[str, str], ChatTemplate] = OrderedDict()
+        self._templates_lock = Lock()
+        self.cache = PieceCache(cache_bytes)
+        self.stats = TokenizerStats()
+
+    def has_local(self, model: str) -> bool:
+        return model in self._models
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def tokenize(self, model: str, endpoint: Endpoint, body: dict[str, Any]) -> TokenizedPrompt:
+        """The prompt's token ids as the engine serving ``model`` will compute them. Raises :class:`PromptError`."""
+        started = time.thread_time()
+        prompt = parse_completion(body) if endpoint == "completions" else parse_chat(body)
+        count = prompt.prompt_count if isinstance(prompt, _CompletionPrompt) else 1
+        if isinstance(prompt, _CompletionPrompt) and prompt.ids is not None:
+            return self._done(prompt.ids, "ids", time.thread_time() - started, count)
+        loop = asyncio.get_running_loop()
+        local = self._models.get(model)
+        if local is not None and self._renders_locally(local, prompt):
+            ids, worker_cpu = await loop.run_in_executor(self._pool, self._encode_local, local, prompt)
+            return self._done(ids, "local", time.thread_time() - started + worker_cpu, count)
+        if self._engine_tokenize is not None:
+            engine_ids = await self._ask_engine(model, prompt)
+            if engine_ids is not None:
+                return self._done(engine_ids, "engine", time.thread_time() - started, count)
+        ids, worker_cpu = await loop.run_in_executor(self._pool, _approximate, prompt)
+        return self._done(ids, "approximate", time.thread_time() - started + worker_cpu, count)
+
+    def _done(self, ids: list[int], source: Source, cpu_s: float, count: int) -> TokenizedPrompt:
+        self.stats.by_source[source] += 1
+        self.stats.cpu_seconds += cpu_s
+        return TokenizedPrompt(ids, source == "approximate", source, cpu_s * 1000.0, count)
+
+    @staticmethod
+    def _renders_locally(local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt) -> bool:
+        if isinstance(prompt, _CompletionPrompt):
+            return True
+        has_template = prompt.chat_template is not None or local.tokenizer.chat_template is not None
+        return has_template and not prompt.has_media
+
+    def _encode_local(self, local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt) -> tuple[list[int], float]:
+        """Runs on a worker thread: render, cut into pieces, take cached pieces, encode the rest."""
+        started = time.thread_time()
+        if isinstance(prompt, _ChatPrompt):
+            text = self._render(local, prompt)
+        else:
+            assert prompt.text is not None
+            text = prompt.text
+        pieces = local.splitter.pieces(text)
+        keys = [(local.name, piece) for piece in pieces if isinstance(piece, str)]
+        found = dict(zip(keys, self.cache.get_many(keys)))
+        missing = [key for key, ids in found.items() if ids is None]
+        encoded = [(key, array("I", local.tokenizer.encode(key[1], add_special_tokens=False))) for key in missing]
+        self.cache.put_many(encoded)
+        found.update(encoded)
+        joined = array("I")
+        for piece in pieces:
+            if isinstance(piece, int):
+                joined.append(piece)
+            else:
+                joined.extend(found[(local.name, piece)])  # type: ignore[arg-type]
+        ids = joined.tolist()
+        if prompt.add_special_tokens:
+            ids = local.tokenizer.with_bos(ids)
+        return ids, time.thread_time() - started
+
+    def _render(self, local: _LocalModel, prompt: _ChatPrompt) -> str:
+        template = local.tokenizer.chat_template
+        try:
+            if prompt.chat_template is not None:
+                template = self._request_template(local, prompt.chat_template)
+            return local.tokenizer.render_chat(
+                prompt.messages,
+                prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message,
+                chat_template=template,
+                tools=prompt.tools,
+                documents=prompt.documents,
+                chat_template_kwargs=prompt.chat_template_kwargs,
+            )
+        except jinja2.TemplateSyntaxError as err:
+            raise PromptError(f"chat_template does not parse: {err}", "chat_template") from err
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, AttributeError) as err:
+            # What the template itself rejects (roles must alternate, missing fields...): vLLM answers 400 too.
+            raise PromptError(f"cannot render the chat template for these messages: {err}", "messages") from err
+
+    def _request_template(self, local: _LocalModel, source: str) -> ChatTemplate:
+        """A request's own ``chat_template``, compiled once and kept among the 32 most recent."""
+        key = (local.name, source)
+        with self._templates_lock:
+            template = self._request_templates.get(key)
+            if template is not None:
+                self._request_templates.move_to_end(key)
+                return template
+        template = compile_chat_template(source, local.tokenizer.special_tokens)
+        with self._templates_lock:
+            self._request_templates[key] = template
+            while len(self._request_templates) > 32:
+                self._request_templates.popitem(last=False)
+        return template
+
+    async def _ask_engine(self, model: str, prompt: _CompletionPrompt | _ChatPrompt) -> list[int] | None:
+        body = _engine_body(model, prompt)
+        try:
+            assert self._engine_tokenize is not None
+            answer = await asyncio.wait_for(self._engine_tokenize(body), self._engine_timeout_s)
+            tokens = answer.get("tokens") if isinstance(answer, dict) else None
+            if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+                raise ValueError("/tokenize answer has no list of token ids")
+            return tokens
+        except Exception:  # any failure of the injected transport or a bad answer: fall back to the approximation
+            self.stats.engine_errors += 1
+            return None
+
+
+def parse_completion(body: dict[str, Any]) -> _CompletionPrompt:
+    """The prompt of a ``/v1/completions`` body: a string, token ids, or a batch of either (first one routed)."""
+    if not isinstance(body, dict):
+        raise PromptError("the request body must be a JSON object")
+    add_special_tokens = _optional_bool(body, "add_special_tokens", True)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise PromptError("'prompt' is required", "prompt")
+    if isinstance(prompt, str):
+        return _CompletionPrompt(prompt, None, add_special_tokens, 1)
+    if not isinstance(prompt, list) or not prompt:
+        raise PromptError("'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    if all(_is_token_id(t) for t in prompt):
+        return _CompletionPrompt(None, list(prompt), add_special_tokens, 1)
+    if all(isinstance(p, str) for p in prompt):
+        return _CompletionPrompt(prompt[0], None, add_special_tokens, len(prompt))
+    if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+        return _CompletionPrompt(None, list(prompt[0]), add_special_tokens, len(prompt))
+    raise PromptError(
+        "'prompt' must be a string, a list of strings, a list of token ids (non-negative integers), "
+        "or a list of such lists",
+        "prompt",
+    )
+
+
+def parse_chat(body: dict[str, Any]) -> _ChatPrompt:
+    """The messages and template options of a ``/v1/chat/completions`` body, validated as vLLM validates them."""
+    if not isinstance(body, dict):
+        raise PromptError("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("'messages' must be a non-empty list of messages", "messages")
+    has_media = False
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise PromptError(f"messages[{i}] must be an object with a string 'role'", f"messages.{i}")
+        has_media |= _check_content(message.get("content"), f"messages.{i}.content")
+    add_generation_prompt = _optional_bool(body, "add_generation_prompt", True)
+    continue_final_message = _optional_bool(body, "continue_final_message", False)
+    if add_generation_prompt and continue_final_message:
+        raise PromptError(
+            "cannot set both 'continue_final_message' and 'add_generation_prompt' to true", "continue_final_message"
+        )
+    return _ChatPrompt(
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        add_special_tokens=_optional_bool(body, "add_special_tokens", False),
+        chat_template=_optional(body, "chat_template", str),
+        chat_template_kwargs=_optional(body, "chat_template_kwargs", dict),
+        tools=_optional(body, "tools", list),
+        documents=_optional(body, "documents", list),
+        has_media=has_media,
+    )
+
+
+def _check_content(content: Any, param: str) -> bool:
+    """Validates one message's content; True when it holds media parts."""
+    if content is None or isinstance(content, str):
+        return False
+    if not isinstance(content, list):
+        raise PromptError("content must be a string, null, or a list of content parts", param)
+    has_media = False
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            continue
+        part_type = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(part_type, str):
+            raise PromptError("a content part must be a string or an object with a string 'type'", f"{param}.{j}")
+        if part_type in MEDIA_PART_TYPES:
+            has_media = True
+        elif part_type in TEXT_PART_FIELDS:
+            text = part.get(TEXT_PART_FIELDS[part_type])  # type: ignore[index]
+            if text is not None and not isinstance(text, str):
+                raise PromptError(f"'{TEXT_PART_FIELDS[part_type]}' must be a string", f"{param}.{j}")  # type: ignore[index]
+        else:
+            raise PromptError(f"unsupported content part type {part_type!r}", f"{param}.{j}.type")
+    return has_media
+
+
+def _optional_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise PromptError(f"'{name}' must be a boolean", name)
+    return value
+
+
+def _optional(body: dict[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise PromptError(f"'{name}' must be {'an object' if kind is dict else f'a {kind.__name__}'}", name)
+    return value
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _engine_body(model: str, prompt: _CompletionPrompt | _ChatPrompt) -> dict[str, Any]:
+    if isinstance(prompt, _CompletionPrompt):
+        return {"model": model, "prompt": prompt.text, "add_special_tokens": prompt.add_special_tokens}
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": prompt.messages,
+        "add_generation_prompt": prompt.add_generation_prompt,
+        "continue_final_message": prompt.continue_final_message,
+        "add_special_tokens": prompt.add_special_tokens,
+    }
+    optional = {
+        "chat_template": prompt.chat_template,
+        "chat_template_kwargs": prompt.chat_template_kwargs,
+        "tools": prompt.tools,
+    }
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body
+
+
+def _approximate(prompt: _CompletionPrompt | _ChatPrompt) -> tuple[list[int], float]:
+    """Pseudo token ids, one per 4 bytes of UTF-8 text (a CRC of those bytes): stable across processes and
+    restarts, and prompts sharing a text prefix share an id prefix, so prefix affinity still works roughly."""
+    started = time.thread_time()
+    if isinstance(prompt, _ChatPrompt):
+        text = "".join(f"<|{m['role']}|>\n{_plain_text(m.get('content'))}\n" for m in prompt.messages)
+        if prompt.add_generation_prompt:
+            text += "<|assistant|>\n"
+    else:
+        text = prompt.text or ""
+    data = memoryview(text.encode("utf-8"))
+    step = APPROXIMATE_BYTES_PER_TOKEN
+    ids = [zlib.crc32(data[i : i + step]) & 0x7FFFFFFF for i in range(0, len(data), step)]
+    return ids, time.thread_time() - started
+
+
+def _plain_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and isinstance(text := part.get(TEXT_PART_FIELDS.get(str(part.get("type")), "")), str):
+            texts.append(text)
+    return "\n".join(texts)

@@ -1,0 +1,251 @@
+"""The router's prompt path: exact ids versus ModelTokenizer, caching, sources and fallbacks, client errors."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadgen.assets import TOKENIZER_DIR
+from policies.config import ConfigError, ModelConfig
+from router.prompts import PromptError, PromptTokenizer
+from router.tokenization import ModelTokenizer
+
+MODEL = "kvgate-sim"
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+ATOMS = [" ", "  ", "\n", "\n\n", "\t", "word", " the", "'s", "1", "2024", ".", ",", "!?", "é", "中文", "😀", "x\n",
+         "9\n", "a.\n", "<|im", "|>", "<", "|"]
+
+
+def random_text(rng: random.Random, length: int, specials: bool = True) -> str:
+    atoms = ATOMS + (SPECIALS if specials else [])
+    return "".join(rng.choice(atoms) for _ in range(rng.randint(0, length)))
+
+
+def random_chat(rng: random.Random, turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for i in range(turns):
+        role = ["system", "user", "assistant"][i % 3] if i < 3 else ["user", "assistant"][i % 2]
+        if rng.random() < 0.3:
+            content: Any = [{"type": "text", "text": random_text(rng, 40)} for _ in range(rng.randint(1, 3))]
+        else:
+            content = random_text(rng, 200)
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+@pytest.fixture(scope="module")
+def reference() -> ModelTokenizer:
+    return ModelTokenizer.from_path(TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    # A small chunk size so that even test-sized documents are cut inside long text.
+    tokenizer = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))], chunk_chars=64)
+    yield tokenizer
+    tokenizer.close()
+
+
+async def test_completion_texts_match_model_tokenizer(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
+    rng = random.Random(1)
+    for _ in range(300):
+        text = random_text(rng, 400)
+        result = await prompts.tokenize(MODEL, "completions", {"prompt": text})
+        assert result.token_ids == reference.encode(text), repr(text)
+        assert (result.source, result.approximate) == ("local", False)
+
+
+async def test_long_documents_cut_into_chunks_match(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
+    rng = random.Random(2)
+    document = "".join(random_text(rng, 30, specials=False) + rng.choice(["word\n", "7\n\n", ". ", "\n"]) for _ in range(400))
+    before = len(prompts.cache)
+    for question in ["What is it?", "Summarise it.\n", ""]:
+        text = document + question
+        assert (await prompts.tokenize(MODEL, "completions", {"prompt": text})).token_ids == reference.encode(text)
+    assert len(prompts.cache) - before > 10  # the document was cached as many chunks, shared by the three prompts
+
+
+async def test_chats_match_model_tokenizer(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
+    rng = random.Random(3)
+    for _ in range(150):
+        messages = random_chat(rng, rng.randint(1, 8))
+        add_generation_prompt = rng.random() < 0.7
+        body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        result = await prompts.tokenize(MODEL, "chat", body)
+        assert result.token_ids == reference.encode_chat(messages, add_generation_prompt)
+
+
+async def test_multi_part_content_is_joined_with_newlines(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
+    parts = [{"type": "text", "text": "first"}, "second", {"type": "text", "text": "third <|im_end|>"}]
+    result = await prompts.tokenize(MODEL, "chat", {"messages": [{"role": "user", "content": parts}]})
+    joined = [{"role": "user", "content": "first\nsecond\nthird <|im_end|>"}]
+    assert result.token_ids == reference.encode_chat(joined)
+
+
+async def test_growing_chat_hits_the_cache_and_stays_exact(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
+    rng = random.Random(4)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse. " * 50}]
+    for turn in range(12):
+        # Short messages without special tokens: one piece each, so the miss count below is exact.
+        messages.append({"role": "user" if turn % 2 == 0 else "assistant", "content": random_text(rng, 20, False)})
+        hits, misses = prompts.cache.hits, prompts.cache.misses
+        result = await prompts.tokenize(MODEL, "chat", {"messages": list(messages)})
+        assert result.token_ids == reference.encode_chat(messages)
+        if turn:
+            # Only the new message can miss; every earlier message (and the template's glue) is a hit.
+            assert prompts.cache.hits - hits >= turn
+            assert prompts.cache.misses - misses <= 1
+
+
+async def test_continue_final_message_and_template_options(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I am "}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    result = await prompts.tokenize(MODEL, "chat", body)
+    expected = reference.encode_chat(messages, False, continue_final_message=True)
+    assert result.token_ids == expected
+    assert reference.decode(expected).endswith("<|im_start|>assistant\nHi, I am ")
+
+
+async def test_request_chat_template_overrides_the_models(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if flavour %}{{ flavour }}{% endif %}"
+    body = {"messages": [{"role": "user", "content": "hey"}], "chat_template": template,
+            "chat_template_kwargs": {"flavour": "<|endoftext|>", "unused": 1}}
+    result = await prompts.tokenize(MODEL, "chat", body)
+    assert result.token_ids == reference.encode("[user]hey<|endoftext|>", add_special_tokens=False)
+
+
+async def test_token_id_prompts_pass_through(prompts: PromptTokenizer) -> None:
+    result = await prompts.tokenize(MODEL, "completions", {"prompt": [5, 6, 7]})
+    assert (result.token_ids, result.source, result.approximate, result.prompt_count) == ([5, 6, 7], "ids", False, 1)
+    batch = await prompts.tokenize(MODEL, "completions", {"prompt": [[1, 2], [3]]})
+    assert (batch.token_ids, batch.source, batch.prompt_count) == ([1, 2], "ids", 2)
+
+
+async def test_batch_of_text_prompts_routes_on_the_first(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
+    result = await prompts.tokenize(MODEL, "completions", {"prompt": ["one two", "three"]})
+    assert (result.token_ids, result.prompt_count) == (reference.encode("one two"), 2)
+
+
+async def test_approximate_mode_is_stable_flagged_and_prefix_preserving() -> None:
+    tokenizer = PromptTokenizer([])
+    try:
+        text = "The same long prompt, sent twice. " * 20
+        first = await tokenizer.tokenize("unknown", "completions", {"prompt": text})
+        again = await tokenizer.tokenize("unknown", "completions", {"prompt": text})
+        longer = await tokenizer.tokenize("unknown", "completions", {"prompt": text + "More."})
+        assert first.approximate and first.source == "approximate"
+        assert first.token_ids == again.token_ids
+        assert longer.token_ids[: len(first.token_ids)] == first.token_ids
+        assert len(first.token_ids) == len(text.encode()) // 4
+        chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}]}
+        assert (await tokenizer.tokenize("unknown", "chat", chat)).approximate
+        assert tokenizer.stats.by_source["approximate"] == 4
+    finally:
+        tokenizer.close()
+
+
+class FakeEngine:
+    def __init__(self, answer: Any = None, error: Exception | None = None) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.answer = answer
+        self.error = error
+
+    async def __call__(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.bodies.append(body)
+        if self.error is not None:
+            raise self.error
+        return self.answer
+
+
+async def test_engine_tokenize_used_without_a_local_tokenizer() -> None:
+    engine = FakeEngine({"count": 3, "tokens": [9, 8, 7], "max_model_len": 100})
+    tokenizer = PromptTokenizer([], engine)
+    try:
+        result = await tokenizer.tokenize("remote", "completions", {"prompt": "hello"})
+        assert (result.token_ids, result.source, result.approximate) == ([9, 8, 7], "engine", False)
+        chat = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
+        await tokenizer.tokenize("remote", "chat", chat)
+        assert engine.bodies[0] == {"model": "remote", "prompt": "hello", "add_special_tokens": True}
+        assert engine.bodies[1] == {
+            "model": "remote", "messages": chat["messages"], "add_generation_prompt": True,
+            "continue_final_message": False, "add_special_tokens": False, "tools": [{"type": "function"}],
+        }
+        assert tokenizer.stats.by_source["engine"] == 2
+    finally:
+        tokenizer.close()
+
+
+async def test_media_content_goes_to_the_engine_even_with_a_local_tokenizer(prompts: PromptTokenizer) -> None:
+    engine = FakeEngine({"tokens": [1, 2]})
+    tokenizer = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))], engine)
+    try:
+        content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+        result = await tokenizer.tokenize(MODEL, "chat", {"messages": [{"role": "user", "content": content}]})
+        assert result.source == "engine" and engine.bodies[0]["messages"][0]["content"] == content
+    finally:
+        tokenizer.close()
+
+
+@pytest.mark.parametrize("engine", [FakeEngine(error=ConnectionError("down")), FakeEngine({"tokens": ["a"]}), FakeEngine([])])
+async def test_engine_failure_falls_back_to_approximate(engine: FakeEngine) -> None:
+    tokenizer = PromptTokenizer([], engine)
+    try:
+        result = await tokenizer.tokenize("remote", "completions", {"prompt": "hello world"})
+        assert result.source == "approximate" and result.approximate
+        assert tokenizer.stats.engine_errors == 1
+    finally:
+        tokenizer.close()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"),
+    [
+        ("completions", {}, "prompt"),
+        ("completions", {"prompt": 5}, "prompt"),
+        ("completions", {"prompt": []}, "prompt"),
+        ("completions", {"prompt": [1, -2]}, "prompt"),
+        ("completions", {"prompt": [1, "a"]}, "prompt"),
+        ("completions", {"prompt": [True]}, "prompt"),
+        ("completions", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("chat", {}, "messages"),
+        ("chat", {"messages": []}, "messages"),
+        ("chat", {"messages": "hi"}, "messages"),
+        ("chat", {"messages": [{"content": "no role"}]}, "messages.0"),
+        ("chat", {"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "bogus"}]}]}, "messages.0.content.0.type"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages.0.content.0"),
+        ("chat", {"messages": [{"role": "user", "content": [7]}]}, "messages.0.content.0"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": {}}, "tools"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}, "chat_template_kwargs"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "continue_final_message"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{% for %}"}, "chat_template"),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ raise_exception('no') }}"}, "messages"),
+    ],
+)
+async def test_client_mistakes_raise_prompt_error(
+    prompts: PromptTokenizer, endpoint: str, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(PromptError) as caught:
+        await prompts.tokenize(MODEL, endpoint, body)  # type: ignore[arg-type]
+    assert caught.value.param == param
+
+
+async def test_cache_stays_within_its_byte_budget(reference: ModelTokenizer) -> None:
+    tokenizer = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))], cache_bytes=20_000)
+    try:
+        rng = random.Random(5)
+        for _ in range(60):
+            messages = random_chat(rng, 4)
+            assert (await tokenizer.tokenize(MODEL, "chat", {"messages": messages})).token_ids == reference.encode_chat(messages)
+            assert tokenizer.cache.bytes <= 20_000
+        assert tokenizer.cache.evictions > 0
+    finally:
+        tokenizer.close()
+
+
+def test_unloadable_tokenizer_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="models.broken.tokenizer"):
+        PromptTokenizer([ModelConfig(name="broken", tokenizer=str(tmp_path / "missing"))])
