@@ -307,7 +307,10 @@ class Fleet:
         while True:
             await asyncio.sleep(self.config.scrape.interval_ms / 1000.0)
             if replica.healthy:
-                await self._scrape(replica)
+                try:
+                    await self._scrape(replica)
+                except Exception:  # same: keep scraping after an unexpected error
+                    log.exception("scrape of %s failed unexpectedly", replica.name)
 
     async def _scrape(self, replica: Replica) -> None:
         timeout = min(SCRAPE_TIMEOUT_CAP_S, self.config.scrape.stale_after_ms / 2000.0)

@@ -90,3 +90,16 @@ def test_metrics_without_help_lines_and_cache_info_with_odd_labels() -> None:
 def test_malformed_wanted_sample_raises_value_error() -> None:
     with pytest.raises(ValueError):
         parse_metrics("vllm:num_requests_waiting{engine=0 banana\n", at=1.0)
+
+
+def test_longer_names_sharing_a_prefix_are_not_taken_for_the_family() -> None:
+    text = (
+        'vllm:num_requests_waiting_by_reason{reason="capacity"} 40\n'
+        "# HELP vllm:num_requests_waiting waiting\n"
+        'vllm:num_requests_waiting{engine="0"} 2\n'
+        'vllm:num_requests_waiting{engine="1"} 1\n'
+        'vllm:num_requests_waiting_by_reason{reason="deferred"} 30\n'
+        "vllm:num_requests_running 5"  # no trailing newline
+    )
+    load = parse_metrics(text, at=1.0)
+    assert (load.waiting, load.running) == (3, 5)
