@@ -216,10 +216,11 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     records: dict[str, list[RequestRecord]] = {}
     fleets: dict[str, list[str]] = {}
+    targets: dict[str, str] = {}
     try:
         for name in runs:
             console.print(f"[bold]{name}[/]: starting a fresh fleet")
-            records[name], fleets[name] = _run_one(args, out_dir, name, requests)
+            records[name], fleets[name], targets[name] = _run_one(args, out_dir, name, requests)
             done = summarize(records[name], fleets[name])
             console.print(f"[bold]{name}[/]: {done['ok']}/{done['requests']} ok, TTFT mean {done['ttft_mean_ms']:.0f} ms")
     except (RuntimeError, ConfigError) as e:
@@ -236,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {
         "workload": args.workload, "seed": args.seed, "requests": len(requests), "replicas": args.replicas,
         "kv_blocks": args.kv_blocks, "time_scale": args.time_scale, "speed": args.speed, "policies": runs,
+        "targets": targets,
         "argv": " ".join(sys.argv[1:]),
         "note": "simulated fleet (kvgate sim) with its stated cost constants; latencies are in scaled (wall) time",
     }
@@ -246,11 +248,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_one(args: argparse.Namespace, out_dir: Path, name: str, requests: list[Request]) -> tuple[list[RequestRecord], list[str]]:
+def _run_one(
+    args: argparse.Namespace, out_dir: Path, name: str, requests: list[Request]
+) -> tuple[list[RequestRecord], list[str], str]:
+    """One run on its own fleet: the records, the fleet's replica names, and the URL the workload was sent to."""
     with sim_fleet(args, out_dir, name) as fleet:
         front = sglang_gateway(args, out_dir, fleet) if name == "sglang" else gateway(args, out_dir, fleet, name)
         with front as url:
-            return drive(requests, run_config(args, url)), fleet.replica_names
+            return drive(requests, run_config(args, url)), fleet.replica_names, url
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -92,6 +92,7 @@ class _Runner:
         self.slots = asyncio.Semaphore(config.concurrency)
         self.tasks: set[asyncio.Task[None]] = set()
         self.t0 = 0.0
+        self.errors = 0
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -132,7 +133,8 @@ class _Runner:
             await self._send(request, record)
             record.end_s = self.now()
         self.records.append(record)
-        self.progress.update(self.bar, advance=1, errors=sum(not r.ok for r in self.records))
+        self.errors += not record.ok
+        self.progress.update(self.bar, advance=1, errors=self.errors)
         for follower in self.followers.get(request.index, []):
             self._spawn(follower, record.end_s + follower.arrival_s)
 
@@ -156,7 +158,7 @@ class _Runner:
                     record.error = (await resp.text())[:500] or resp.reason
                     return
                 await self._read_stream(resp, record)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # ValueError: an over-long SSE line
             record.error = f"{type(e).__name__}: {e}"
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, record: RequestRecord) -> None:

@@ -1,0 +1,59 @@
+"""A tiny real ``kvgate bench``: 2 replicas, 2 policies, 20 requests on a fast time scale — report, plots, ratios,
+and every process it started is gone afterwards."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from policies.config import load_config
+from tests.support import REPO
+
+pytestmark = pytest.mark.integration
+
+NEEDS = [REPO / "loadgen" / "sim" / "cli.py", REPO / "router" / "server.py"]
+
+
+def _listening(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, int(port))) == 0
+
+
+@pytest.mark.skipif(not all(p.exists() for p in NEEDS), reason="kvgate sim and kvgate serve are not both present yet")
+def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "router.cli", "bench", "--workload", "shared-prefix", "--policies", "cost,round_robin",
+        "--replicas", "2", "--kv-blocks", "512", "--time-scale", "0.01", "--groups", "2", "--prompts-per-group", "10",
+        "--system-tokens", "256", "--question-tokens", "32", "--output-tokens", "8", "--rate", "40", "--seed", "1",
+        "--ready-timeout", "30", "--out", str(out),
+    ]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc["summaries"]) == {"cost", "round_robin"}
+    for name, s in doc["summaries"].items():
+        assert (s["requests"], s["ok"]) == (20, 20), (name, doc["requests"][name][:2])
+        assert s["ttft_mean_ms"] > 0 and s["prompt_tokens"] > 0
+        assert 0 < s["oracle_hit_ratio"] < 1
+        assert sum(s["requests_per_replica"].values()) == 20 and len(s["requests_per_replica"]) == 2
+    assert doc["summaries"]["round_robin"]["load_imbalance"] >= 1.0
+    assert doc["ratios_to_best_baseline"]["ttft_mean_ms"]["best_baseline"] == "round_robin"
+    assert all(r["replica"] for r in doc["requests"]["cost"])
+    assert "cost / best baseline" in (out / "report.md").read_text()
+    assert {p.name for p in out.glob("*.png")} == {"ttft_cdf.png", "inflight_per_replica.png", "hit_ratio.png"}
+
+    # Every gateway and fleet it started is stopped: none of their ports still answers.
+    assert not any(_listening(url) for url in doc["meta"]["targets"].values())
+    fleets = list((out / "logs").glob("*-fleet.yaml"))
+    assert len(fleets) == 2
+    for path in fleets:
+        assert not any(_listening(r.url) for r in load_config(path).replicas)
