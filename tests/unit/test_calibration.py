@@ -1,0 +1,103 @@
+"""Online calibration: converges on synthetic observations, resists outliers, stays put when idle or unsure."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from policies.calibration import Calibrator
+from policies.config import CalibrationConfig, PrefillCost
+
+BASE = PrefillCost(fixed_ms=20, per_token_ms=0.035)
+TRUE_FIXED, TRUE_PER_TOKEN = 26.0, 0.042
+
+
+def feed(cal: Calibrator, n: int, rng: random.Random, noise_ms: float = 3.0) -> None:
+    for _ in range(n):
+        prompt = rng.randint(200, 8000)
+        cached = rng.choice([0, prompt // 2, prompt - 16])
+        queue = rng.uniform(0, 300)
+        ttft = queue + TRUE_FIXED + TRUE_PER_TOKEN * (prompt - cached) + rng.gauss(0, noise_ms)
+        cal.observe(prompt, cached, ttft, queue)
+
+
+def test_uses_the_policy_file_until_min_samples() -> None:
+    cal = Calibrator(CalibrationConfig(min_samples=32), BASE)
+    feed(cal, 31, random.Random(0))
+    assert cal.current() == BASE and not cal.state().fitted
+    feed(cal, 1, random.Random(1))
+    assert cal.current() != BASE and cal.state().fitted
+
+
+def test_converges_on_synthetic_observations() -> None:
+    cal = Calibrator(CalibrationConfig(), BASE)
+    feed(cal, 400, random.Random(2))
+    fitted = cal.current()
+    assert fitted.fixed_ms == pytest.approx(TRUE_FIXED, abs=1.0)
+    assert fitted.per_token_ms == pytest.approx(TRUE_PER_TOKEN, rel=0.02)
+    assert fitted.quadratic_ms == BASE.quadratic_ms
+    assert not cal.state().clamped
+
+
+def test_resists_one_huge_outlier_and_a_fifth_of_bad_samples() -> None:
+    rng = random.Random(3)
+    cal = Calibrator(CalibrationConfig(), BASE)
+    feed(cal, 200, rng)
+    cal.observe(1000, 0, 60_000.0, 0.0)  # a one-minute stall
+    fitted = cal.current()
+    assert fitted.fixed_ms == pytest.approx(TRUE_FIXED, abs=1.5)
+    assert fitted.per_token_ms == pytest.approx(TRUE_PER_TOKEN, rel=0.03)
+    for _ in range(50):  # 20% of samples 2-5 s late (preemptions)
+        prompt = rng.randint(200, 8000)
+        cal.observe(prompt, 0, TRUE_FIXED + TRUE_PER_TOKEN * prompt + rng.uniform(2000, 5000), 0.0)
+    fitted = cal.current()
+    assert fitted.fixed_ms == pytest.approx(TRUE_FIXED, abs=5)
+    assert fitted.per_token_ms == pytest.approx(TRUE_PER_TOKEN, rel=0.15)
+
+
+def test_no_drift_when_idle() -> None:
+    cal = Calibrator(CalibrationConfig(), BASE)
+    feed(cal, 100, random.Random(4))
+    first = cal.current()
+    for _ in range(10):
+        assert cal.current() is first
+
+
+def test_coefficients_are_clamped_to_max_change() -> None:
+    cal = Calibrator(CalibrationConfig(max_change=0.5), BASE)
+    for i in range(100):
+        prompt = 500 + 50 * i
+        cal.observe(prompt, 0, 100 + 0.2 * prompt, 0.0)  # 5x fixed, 6x per-token
+    fitted = cal.current()
+    assert (fitted.fixed_ms, fitted.per_token_ms) == (pytest.approx(30), pytest.approx(0.0525))
+    assert cal.state().clamped
+
+
+def test_without_token_spread_only_fixed_is_fitted() -> None:
+    cal = Calibrator(CalibrationConfig(), BASE)
+    for _ in range(40):
+        cal.observe(4016, 4000, 25 + 0.035 * 16, 0.0)  # every request a full-prefix hit
+    fitted = cal.current()
+    assert fitted.per_token_ms == BASE.per_token_ms
+    assert fitted.fixed_ms == pytest.approx(25)
+
+
+def test_malformed_observations_are_counted_not_fitted() -> None:
+    cal = Calibrator(CalibrationConfig(), BASE)
+    for args in ((0, 0, 10.0, 0.0), (100, 200, 10.0, 0.0), (100, 0, math.nan, 0.0), (100, 0, 10.0, -1.0), (100, 0, math.inf, 0.0)):
+        assert cal.observe(*args) is False
+    assert cal.state().rejected == 5 and cal.state().samples == 0
+
+
+def test_disabled_calibration_keeps_the_policy_file() -> None:
+    cal = Calibrator(CalibrationConfig(enabled=False), BASE)
+    feed(cal, 100, random.Random(5))
+    assert cal.current() is BASE and cal.state().samples == 0
+
+
+def test_window_is_bounded() -> None:
+    cal = Calibrator(CalibrationConfig(window=64, min_samples=16), BASE)
+    feed(cal, 500, random.Random(6))
+    assert cal.state().samples == 64
