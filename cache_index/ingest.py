@@ -138,6 +138,7 @@ class EventIngestor:
         if (replica.model, replica.weight_version) == (model, weight_version):
             return
         replica.model, replica.weight_version = model, weight_version
+        replica.namespaces.clear()
         self._bump(name, replica, clear_streams=False)
         self.stats.resets["namespace"] += 1
 
