@@ -52,6 +52,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--speed", type=float, default=1.0, help="trace: replay speed factor (2 = twice as fast)")
     w.add_argument("--window", type=_pair, help="trace: window A:B in seconds of trace time")
     w.add_argument("--max-output-tokens", type=int, help="trace: cap on output lengths")
+    w.add_argument("--max-input-tokens", type=int, help="trace: skip requests with longer prompts")
     r = parser.add_argument_group("run")
     r.add_argument("--model", default=DEFAULT_MODEL, help=f"model name sent in requests (default {DEFAULT_MODEL})")
     r.add_argument("--concurrency", type=int, default=256, help="cap on requests in flight (default 256)")
@@ -69,7 +70,7 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
         turns=args.turns, turn_tokens=args.turn_tokens, think_s=args.think_time, documents=args.documents,
         document_tokens=(int(args.document_tokens[0]), int(args.document_tokens[1])), zipf=args.zipf,
         prompt_tokens=args.prompt_tokens, trace=args.trace, speed=args.speed, window_s=args.window,
-        max_output_tokens=args.max_output_tokens,
+        max_output_tokens=args.max_output_tokens, max_input_tokens=args.max_input_tokens,
     )
 
 

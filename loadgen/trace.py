@@ -64,10 +64,12 @@ def timestamp_tick_ms(rows: list[TraceRow]) -> float:
 
 
 def select_rows(rows: list[TraceRow], options: WorkloadOptions) -> list[TraceRow]:
-    """The time window [A, B) seconds of trace time, then the first N rows of it."""
+    """The time window [A, B) seconds of trace time, without prompts over ``max_input_tokens``, then the first N."""
     if options.window_s is not None:
         start_ms, end_ms = options.window_s[0] * 1000, options.window_s[1] * 1000
         rows = [r for r in rows if start_ms <= r.timestamp_ms < end_ms]
+    if options.max_input_tokens is not None:
+        rows = [r for r in rows if r.input_length <= options.max_input_tokens]
     if options.requests is not None:
         rows = rows[: options.requests]
     return rows

@@ -66,6 +66,8 @@ class WorkloadOptions:
     speed: float = 1.0
     window_s: tuple[float, float] | None = None
     max_output_tokens: int | None = None
+    max_input_tokens: int | None = None
+    """Trace: skip rows with longer prompts (e.g. beyond the engines' max_model_len, which would only yield 400s)."""
 
 
 WORKLOADS = ("trace", "shared-prefix", "multi-turn", "documents", "unique")

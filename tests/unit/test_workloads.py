@@ -153,6 +153,8 @@ def test_trace_window_and_first_n(trace_file: Path) -> None:
     assert all(0 <= r.arrival_s < 6 for r in window)  # offsets from the window's start
     first = build_workload("trace", _opts(trace=trace_file, requests=5, window_s=(6.0, 12.0)))
     assert len(first) == 5
+    short = build_workload("trace", _opts(trace=trace_file, requests=None, max_input_tokens=1000))
+    assert len(short) == 8 and all(r.prompt_tokens <= 1000 for r in short)  # only the one-block rows
 
 
 def test_bad_trace_is_refused_with_its_line(tmp_path: Path) -> None:
