@@ -1,0 +1,433 @@
+"""One replica's HTTP surface: vLLM's OpenAI-compatible API plus the sim-only /sim/* endpoints.
+
+Built on aiohttp's low-level server (one handler, a dict of routes) so a single process can serve a whole fleet at
+thousands of requests per second. Bodies, SSE framing, error bodies and status codes follow vLLM 0.33. A client
+that goes away aborts its request at once (``handler_cancellation``); a replica fault cuts the connection.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from . import faults
+from .block_hash import block_chain
+from .engine import RemoteSource, SimRequest, State
+from .errors import ApiError
+from .metrics import CONTENT_TYPE, render
+
+if TYPE_CHECKING:
+    from .fleet import Replica
+
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+JSON = "application/json"
+DEFAULT_MAX_TOKENS = 16
+CACHE_SALT_MAX_LEN = 128
+CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
+
+_json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+
+
+class ReplicaGone(Exception):
+    """The replica faulted (restart/stop) under a request: the connection is cut, as a crashed engine's would be."""
+
+    def __init__(self, response: web.StreamResponse | None = None) -> None:
+        super().__init__("replica restarted")
+        self.response = response
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A validated generation request, common to both OpenAI endpoints."""
+
+    endpoint: str
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+    kv_transfer_params: dict[str, Any] | None
+    request_id: str
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=_json_encode(body), status=status, content_type=JSON, headers=headers)
+
+
+class ReplicaApi:
+    def __init__(self, replica: "Replica") -> None:
+        self.replica = replica
+        self.routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("GET", "/v1/models"): self.models,
+            ("POST", "/tokenize"): self.tokenize,
+            ("GET", "/health"): self.health,
+            ("GET", "/metrics"): self.metrics,
+            ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
+            ("GET", "/sim/requests"): self.sim_requests,
+            ("GET", "/sim/stats"): self.sim_stats,
+            ("POST", "/sim/fault"): self.sim_fault,
+        }
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        route = self.routes.get((request.method, request.path))
+        if route is None:
+            known = any(path == request.path for _, path in self.routes)
+            return json_response({"detail": "Method Not Allowed" if known else "Not Found"}, 405 if known else 404)
+        try:
+            return await route(request)
+        except ApiError as err:
+            self.replica.record_error(request, err)
+            return json_response(err.body(), err.status, {"X-Request-Id": _request_id(request)})
+        except ReplicaGone as gone:
+            if request.transport is not None:
+                request.transport.abort()
+            return gone.response or web.Response(status=503)
+
+    # --- OpenAI endpoints ----------------------------------------------------------------------------------------
+    async def completions(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await _json_body(request)
+        gen = self._generation(request, body, "/v1/completions", self._completion_prompt(body))
+        return await self._serve(request, gen, chat=False)
+
+    async def chat_completions(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await _json_body(request)
+        gen = self._generation(request, body, "/v1/chat/completions", self._chat_prompt(body))
+        return await self._serve(request, gen, chat=True)
+
+    async def models(self, request: web.BaseRequest) -> web.StreamResponse:
+        p = self.replica.params
+        created = int(self.replica.started_at)
+        card = {
+            "id": p.model, "object": "model", "created": created, "owned_by": "vllm",
+            "root": p.model, "parent": None, "max_model_len": p.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{self.replica.name}", "object": "model_permission", "created": created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False,
+            }],
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await _json_body(request)
+        self._check_model(body, required=False)
+        if "messages" in body:
+            ids = self._chat_prompt(body)
+        elif "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise ApiError("prompt must be a string", "prompt")
+            ids = self.replica.model.tokenizer.encode(prompt, _bool(body, "add_special_tokens", True))
+        else:
+            raise ApiError("either prompt or messages is required", "prompt")
+        strs = None
+        if _bool(body, "return_token_strs", False):
+            strs = [self.replica.model.tokenizer.token_text(i) for i in ids]
+        return json_response(
+            {"count": len(ids), "max_model_len": self.replica.params.max_model_len, "tokens": ids, "token_strs": strs}
+        )
+
+    async def health(self, request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(status=200 if self.replica.healthy else 503)
+
+    async def metrics(self, request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response(body=render(self.replica.registry), headers={"Content-Type": CONTENT_TYPE})
+
+    async def reset_prefix_cache(self, request: web.BaseRequest) -> web.StreamResponse:
+        self.replica.engine.reset_prefix_cache()
+        return web.Response(status=200)
+
+    # --- sim-only endpoints --------------------------------------------------------------------------------------
+    async def sim_requests(self, request: web.BaseRequest) -> web.StreamResponse:
+        try:
+            limit = int(request.query.get("limit", "100"))
+        except ValueError:
+            raise ApiError("limit must be an integer", "limit") from None
+        records = list(self.replica.records)[-limit:] if limit > 0 else []
+        return json_response({"requests": [r if isinstance(r, dict) else request_record(r) for r in records]})
+
+    async def sim_stats(self, request: web.BaseRequest) -> web.StreamResponse:
+        return json_response(self.replica.stats())
+
+    async def sim_fault(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await _json_body(request)
+        result, after = faults.apply(self.replica, body)
+        if after is None:
+            return json_response(result)
+        # The answer goes out before the fault closes this very listener.
+        response = json_response(result)
+        await response.prepare(request)
+        await response.write_eof()
+        await after()
+        return response
+
+    # --- generation ----------------------------------------------------------------------------------------------
+    def _check_model(self, body: dict[str, Any], required: bool = True) -> None:
+        model = body.get("model")
+        if model is None:
+            if required:
+                raise ApiError("model is required", "model")
+            return
+        if not isinstance(model, str):
+            raise ApiError("model must be a string", "model")
+        if model != self.replica.params.model:
+            raise ApiError(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
+
+    def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = self.replica.model.tokenizer.encode(prompt, _bool(body, "add_special_tokens", True))
+        elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            vocab = self.replica.model.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ApiError(f"Token id {bad} is out of vocabulary", "prompt")
+            ids = list(prompt)
+        elif prompt is None:
+            raise ApiError("prompt is required", "prompt")
+        else:
+            raise ApiError("prompt must be a string, a list of token ids, or a batch of one of those", "prompt")
+        return ids
+
+    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError("messages must be a non-empty list", "messages")
+        plain = [_plain_message(m) for m in messages]
+        try:
+            return self.replica.model.tokenizer.encode_chat(plain, _bool(body, "add_generation_prompt", True))
+        except ApiError:
+            raise
+        except Exception as e:  # a template that rejects the conversation (raise_exception, bad roles, ...)
+            raise ApiError(f"chat template error: {e}", "messages") from None
+
+    def _generation(self, request: web.BaseRequest, body: dict[str, Any], endpoint: str, ids: list[int]) -> Generation:
+        self._check_model(body)
+        p = self.replica.params
+        if not ids:
+            raise ApiError("Prompt cannot be empty", "prompt")
+        max_tokens = body.get("max_completion_tokens") if endpoint.endswith("chat/completions") else None
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ApiError("max_tokens must be a positive integer", "max_tokens")
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise ApiError("stream must be a boolean", "stream")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise ApiError("stream_options must be an object", "stream_options")
+        include_usage = bool(options and options.get("include_usage"))
+        salt = body.get("cache_salt")
+        if salt is not None:
+            if not isinstance(salt, str) or not salt:
+                raise ApiError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+            if len(salt) > CACHE_SALT_MAX_LEN or any(c in salt for c in CACHE_SALT_FORBIDDEN):
+                raise ApiError(
+                    f"Parameter 'cache_salt' must be at most {CACHE_SALT_MAX_LEN} characters and must not contain "
+                    "'@', '/', '\\' or NUL.", "cache_salt")
+        ktp = body.get("kv_transfer_params")
+        if ktp is not None and not isinstance(ktp, dict):
+            raise ApiError("kv_transfer_params must be an object", "kv_transfer_params")
+        if ktp and ktp.get("do_remote_decode"):
+            max_tokens = 1
+        if len(ids) + max_tokens > p.max_model_len:
+            raise ApiError(
+                f"This model's maximum context length is {p.max_model_len} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.", "input_tokens")
+        return Generation(endpoint, ids, max_tokens, stream, include_usage, salt, ktp, _request_id(request))
+
+    async def _serve(self, request: web.BaseRequest, gen: Generation, chat: bool) -> web.StreamResponse:
+        replica = self.replica
+        ktp = gen.kv_transfer_params or {}
+        remote = None
+        if ktp.get("do_remote_prefill") and isinstance(ktp.get("remote_engine_id"), str) \
+                and isinstance(ktp.get("remote_request_id"), str):
+            remote = RemoteSource(ktp["remote_engine_id"], ktp["remote_request_id"])
+        req = SimRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_ids=gen.prompt_ids,
+            max_tokens=gen.max_tokens,
+            chain=block_chain(gen.prompt_ids, replica.params.block_size, gen.cache_salt),
+            prefill_only=bool(ktp.get("do_remote_decode")),
+            remote=remote,
+            info={
+                "endpoint": gen.endpoint, "model": replica.params.model, "stream": gen.stream,
+                "cache_salt": gen.cache_salt, "kv_transfer_params_in": gen.kv_transfer_params,
+                "headers": {"x-request-id": request.headers.get("X-Request-Id"),
+                            "x-session-id": request.headers.get("X-Session-ID")},
+            },
+        )
+        replica.records.append(req)
+        replica.engine.submit(req)
+        try:
+            if gen.stream:
+                return await self._stream(request, gen, req, chat)
+            await _until_finished(req)
+            return json_response(self._full_body(gen, req, chat), headers={"X-Request-Id": gen.request_id})
+        finally:
+            if not req.finished:
+                replica.engine.abort(req, "client")
+
+    def _full_body(self, gen: Generation, req: SimRequest, chat: bool) -> dict[str, Any]:
+        text = self.replica.model.text(req.output)
+        created = int(time.time())
+        usage = _usage(req)
+        if chat:
+            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                       "function_call": None, "tool_calls": [], "reasoning_content": None}
+            return {
+                "id": f"chatcmpl-{gen.request_id}", "object": "chat.completion", "created": created,
+                "model": self.replica.params.model,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
+                             "stop_reason": None}],
+                "service_tier": None, "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
+                "kv_transfer_params": req.kv_transfer_params_out,
+            }
+        return {
+            "id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": created,
+            "model": self.replica.params.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                         "prompt_logprobs": None}],
+            "service_tier": None, "system_fingerprint": None, "usage": usage,
+            "kv_transfer_params": req.kv_transfer_params_out,
+        }
+
+    async def _stream(self, request: web.BaseRequest, gen: Generation, req: SimRequest, chat: bool) -> web.StreamResponse:
+        model = self.replica.params.model
+        created = int(time.time())
+        if chat:
+            head = {"id": f"chatcmpl-{gen.request_id}", "object": "chat.completion.chunk", "created": created,
+                    "model": model}
+        else:
+            head = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": created, "model": model}
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Request-Id": gen.request_id})
+        await response.prepare(request)
+        if chat:
+            first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            await response.write(_sse(first))
+        sent = 0
+        while True:
+            req.changed.clear()
+            if req.state is State.ABORTED:
+                raise ReplicaGone(response)
+            out = req.output
+            if len(out) > sent:
+                chunks = []
+                for i in range(sent, len(out)):
+                    last = req.state is State.COMPLETED and i == len(out) - 1
+                    text = self.replica.model.token_text[out[i]]
+                    finish = "length" if last else None
+                    if chat:
+                        choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+                        if last:
+                            choice["stop_reason"] = None
+                    else:
+                        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                                  "stop_reason": None}
+                    chunks.append(_sse({**head, "choices": [choice]}))
+                sent = len(out)
+                await response.write(b"".join(chunks))
+            if req.state is State.COMPLETED:
+                break
+            await req.changed.wait()
+        tail = []
+        if gen.include_usage:
+            tail.append(_sse({**head, "choices": [], "usage": _usage(req)}))
+        tail.append(b"data: [DONE]\n\n")
+        await response.write(b"".join(tail))
+        await response.write_eof()
+        return response
+
+
+def request_record(req: SimRequest) -> dict[str, Any]:
+    """One /sim/requests entry; durations are on the engine's model clock (unscaled ms) unless named wall_."""
+    queue = None if req.scheduled_clock_ms is None else req.scheduled_clock_ms - req.arrival_clock_ms
+    ttft = None if req.first_token_clock_ms is None else req.first_token_clock_ms - req.arrival_clock_ms
+    wall = None if req.first_token_wall is None else (req.first_token_wall - req.arrival_wall) * 1000.0
+    return {
+        "request_id": req.request_id, **req.info,
+        "prompt_tokens": req.prompt_len, "completion_tokens": len(req.output),
+        "cached_tokens": req.cached_tokens, "transferred_tokens": req.transferred_tokens,
+        "transfer_status": req.transfer_status, "kv_transfer_params_out": req.kv_transfer_params_out,
+        "status": req.state.value if req.state is not State.WAITING else "running",
+        "abort_reason": req.abort_reason, "queue_ms": queue, "ttft_ms": ttft, "wall_ttft_ms": wall,
+    }
+
+
+async def _until_finished(req: SimRequest) -> None:
+    while True:
+        req.changed.clear()
+        if req.state is State.COMPLETED:
+            return
+        if req.state is State.ABORTED:
+            raise ReplicaGone()
+        await req.changed.wait()
+
+
+def _usage(req: SimRequest) -> dict[str, Any]:
+    return {
+        "prompt_tokens": req.prompt_len, "total_tokens": req.prompt_len + len(req.output),
+        "completion_tokens": len(req.output), "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+    }
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _json_encode(obj) + b"\n\n"
+
+
+def _request_id(request: web.BaseRequest) -> str:
+    return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise ApiError(f"{key} must be a boolean", key)
+    return value
+
+
+async def _json_body(request: web.BaseRequest) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = _json_decode(raw)
+    except msgspec.DecodeError as e:
+        raise ApiError(f"Invalid JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError("request body must be a JSON object")
+    return body
+
+
+def _plain_message(message: Any) -> dict[str, Any]:
+    """A chat message as the template wants it: role and text content (text parts joined, like vLLM's string form)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError("each message must be an object with a string role", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError("only text content parts are supported", "messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ApiError("message content must be a string or a list of text parts", "messages")
+    return {**message, "content": content or ""}
