@@ -1,0 +1,616 @@
+"""The gateway's FastAPI app: OpenAI-compatible endpoints in front of the fleet, plus kvgate's own endpoints.
+
+``create_app(holder)`` builds the app around a :class:`Gateway`, whose ``start()`` (run by the app's lifespan, on the
+event loop) creates everything that needs a running loop: the one upstream aiohttp session, the fleet's health and
+scrape loops, KV-event subscriptions and config watching. ``stop()`` tears them down in reverse.
+
+Handlers take the raw ``Request`` and return raw responses (FastAPI's body binding and pydantic validation would cost
+more CPU than the whole proxy hop). A body is decoded once with msgspec and forwarded as the very same bytes unless
+routing had to add a field (``cache_salt`` for tenants, ``kv_transfer_params`` for transfers), so unknown fields always
+pass through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import aiohttp
+import msgspec
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
+from starlette.responses import Response
+
+from cache_index.index import PrefixIndex
+from cache_index.ingest import EventIngestor
+from cache_index.http_ingest import HttpIngestError, ingest_http
+from cache_index.subscriber import SubscriptionManager
+from policies.base import NoHealthyReplica
+from policies.config import ConfigError, KvgateConfig
+from router.admin import build_admin_router
+from router.errors import ApiError, install_error_handlers
+from router.fleet import Fleet, FleetListener, Replica
+from router.logs import RequestLogger
+from router.metrics import GatewayMetrics, ReplicaStateCollector
+from router.prompts import PromptError, PromptTokenizer
+from router.proxy import (
+    AttemptFailed,
+    Forward,
+    Proxy,
+    RelayResponse,
+    StreamResult,
+    Upstream,
+    Usage,
+    create_session,
+    relay_stream,
+    usage_of_body,
+)
+from router.reload import ConfigHolder
+from router.routing import Endpoint, FleetDispatcher, Routed, Router
+from router.tenants import AuthError, TenantResolver, cache_salt_for
+
+log = logging.getLogger("kvgate.app")
+
+NIXL_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""The first leg of vLLM's NixlConnector handshake, as vLLM's own toy proxy sends it."""
+
+CALIBRATION_REFRESH_S = 1.0
+"""How often calibrated prefill coefficients are refitted and swapped in."""
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+def json_response(content: object, status: int = 200) -> Response:
+    return Response(_encode(content), status_code=status, media_type="application/json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes by Content-Length or by what actually arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = _decode(raw)
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def required_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, "'model' is required", param="model", code="missing_field")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' must be a non-empty string", param="model", code="invalid_type")
+    return model
+
+
+def wants_stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream")
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
+    return stream
+
+
+def client_salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ApiError(400, "'cache_salt' must be a string", param="cache_salt", code="invalid_type")
+    return salt
+
+
+def first_leg_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill-only request of a transfer: same prompt, one token, not streamed, KV kept for the destination."""
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
+    leg.update(kv_transfer_params=dict(NIXL_PREFILL_PARAMS), stream=False, max_tokens=1)
+    if "max_completion_tokens" in body:
+        leg["max_completion_tokens"] = 1
+    return leg
+
+
+class IndexFeed(FleetListener):
+    """Keeps the prefix index's replicas (ingestor + event subscriptions) in step with the fleet's membership."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def on_added(self, replica: Replica) -> None:
+        self.gateway.track_replica(replica)
+
+    def on_removed(self, name: str) -> None:
+        self.gateway.untrack_replica(name)
+
+    def on_reset(self, name: str, reason: str) -> None:
+        self.gateway.ingestor.reset_replica(name, reason)
+
+
+class Gateway:
+    """Everything one running gateway owns, and the request handlers that use it."""
+
+    def __init__(self, holder: ConfigHolder) -> None:
+        self.holder = holder
+        self.metrics = GatewayMetrics()
+        self.request_log = RequestLogger(holder.current.server.log_requests)
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def config(self) -> KvgateConfig:
+        return self.holder.current
+
+    # lifecycle
+
+    async def start(self) -> None:
+        config = self.config
+        self.session = create_session(config.proxy)
+        self.proxy = Proxy(self.session, config.proxy, on_retry=self._count_retry)
+        self.fleet = Fleet(config, self.session)
+        self.index = PrefixIndex(config.index.max_entries, config.index.predicted_ttl_s)
+        self.ingestor = EventIngestor(self.index)
+        self.subscriptions = SubscriptionManager(self.ingestor, replay_timeout_s=config.index.replay_timeout_s)
+        self.tokenizer = PromptTokenizer(config.models, engine_tokenize=self._engine_tokenize)
+        self.tenants = TenantResolver(config.tenants)
+        self.router = Router(config, self.fleet, self.index, self.tokenizer)
+        self.fleet.listeners.append(IndexFeed(self))
+        self._register_collectors()
+        self.holder.subscribe(self.apply_config)
+        await self.fleet.start()
+        await self.holder.start()
+        self._spawn(self._calibration_loop())
+
+    async def stop(self) -> None:
+        await self.holder.stop()
+        await self.fleet.stop()
+        await self.subscriptions.stop_all()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self.tokenizer.close()
+        await self.session.close()
+
+    def apply_config(self, config: KvgateConfig) -> None:
+        """A reloaded policy file; requests in flight keep the objects they started with."""
+        self.fleet.apply_config(config)
+        self.router.apply_config(config)
+        self.tenants = TenantResolver(config.tenants)
+        if config.models != self.router.tokenizer_models:
+            self._replace_tokenizer(config)
+        self.proxy.config = config.proxy
+        self.request_log.enabled = config.server.log_requests
+
+    def _replace_tokenizer(self, config: KvgateConfig) -> None:
+        """New model tokenizers take effect for new requests; a path that does not load keeps the old ones."""
+        try:
+            tokenizer = PromptTokenizer(config.models, engine_tokenize=self._engine_tokenize)
+        except ConfigError as e:
+            log.error("reload: keeping the previous tokenizers: %s", e)
+            return
+        old, self.tokenizer = self.tokenizer, tokenizer
+        self.router.tokenizer = tokenizer
+        self.router.tokenizer_models = config.models
+        old.close()
+
+    def track_replica(self, replica: Replica) -> None:
+        """Index this replica's KV events under its model's namespace (label ``model``, else the file's first model)."""
+        cfg = replica.config
+        model_name = cfg.labels.get("model") or (self.config.models[0].name if self.config.models else "")
+        model = self.config.model(model_name)
+        self.ingestor.add_replica(
+            cfg.name,
+            model=model_name,
+            weight_version=model.weight_version if model else "",
+            block_size=model.block_size if model else None,
+        )
+        if cfg.kv_events:
+            self.subscriptions.start(cfg.name, cfg.kv_events, cfg.kv_replay, cfg.kv_topic)
+
+    def untrack_replica(self, name: str) -> None:
+        self.ingestor.remove_replica(name)
+        self._spawn(self.subscriptions.stop(name))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _calibration_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CALIBRATION_REFRESH_S)
+            self.router.refresh_calibration()
+
+    def _register_collectors(self) -> None:
+        m = self.metrics
+        m.add_collector(ReplicaStateCollector(lambda: list(self.fleet.replicas.values())))
+        m.add_stats("kvgate_index", lambda: _fields(self.index.stats()), "Prefix index")
+        m.add_stats("kvgate_events", lambda: _fields(self.ingestor.stats), "KV-event ingestion")
+        m.add_stats("kvgate_tokenizer", lambda: _fields(self.tokenizer.stats), "Prompt tokenization")
+        m.add_stats(
+            "kvgate_config",
+            lambda: {"reloads_ok": self.holder.reloads_ok, "reloads_rejected": self.holder.reloads_rejected},
+            "Policy file reloads",
+        )
+        m.add_stats("kvgate_prefill", self.router.coefficients, "Prefill cost coefficients in force, by model")
+
+    def _count_retry(self, cause: str) -> None:
+        self.metrics.retries.labels(cause).inc()
+
+    async def _engine_tokenize(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """``POST /tokenize`` on a routable replica: the tokenizer's fallback for models with no local tokenizer."""
+        replicas = self.fleet.routable()
+        if not replicas:
+            raise NoHealthyReplica("no routable replica to tokenize on")
+        timeout = aiohttp.ClientTimeout(total=self.config.proxy.first_byte_timeout_s)
+        async with self.session.post(replicas[0].url + "/tokenize", json=payload, timeout=timeout) as resp:
+            resp.raise_for_status()
+            return await resp.json()
+
+    # request handling
+
+    def _tenant(self, headers: Headers) -> str | None:
+        try:
+            return self.tenants.resolve(headers.get("authorization"))
+        except AuthError as e:
+            raise ApiError(401, e.message, code=e.code) from e
+
+    def _upstream_headers(self, headers: Headers, request_id: str) -> dict[str, str]:
+        out = {"content-type": "application/json", "x-request-id": request_id}
+        session_id = headers.get("x-session-id")
+        if session_id:
+            out["x-session-id"] = session_id
+        authorization = headers.get("authorization")
+        if authorization and not self.tenants.enabled:
+            out["authorization"] = authorization  # the engine's own key; with tenants on, the key is kvgate's
+        return out
+
+    def _check_model(self, model: str) -> None:
+        if self.router.knows_model(model):
+            return
+        if not self.fleet.routable():
+            raise ApiError(503, "no routable replica", code="no_replica")
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    async def generate(self, request: Request, endpoint: Endpoint, path: str) -> Response:
+        """Completions and chat completions: route on the prompt's cached prefix, proxy, stream back."""
+        started = time.monotonic()
+        headers = request.headers
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        tenant: str | None = None
+        try:
+            tenant = self._tenant(headers)
+            raw = await read_body(request, self.config.server.max_body_bytes)
+            body = parse_body(raw)
+            model = required_model(body)
+            stream = wants_stream(body)
+            self._check_model(model)
+            salt = client_salt(body)
+            upstream_salt = cache_salt_for(tenant, salt)
+            if upstream_salt != salt:
+                body["cache_salt"] = upstream_salt
+                raw = _encode(body)
+            try:
+                routed = await self.router.route(
+                    endpoint, body, model=model, request_id=request_id, session_id=headers.get("x-session-id"),
+                    tenant=tenant, cache_salt=upstream_salt,
+                )
+            except PromptError as e:
+                raise ApiError(400, e.message, param=e.param, code="invalid_prompt") from e
+            except NoHealthyReplica as e:
+                raise ApiError(503, "no replica can serve this model", code="no_replica") from e
+        except ApiError as e:
+            self._rejected(e, request_id, tenant, started)
+            raise
+        decision = routed.decision
+        self.metrics.decisions.labels(decision.action, decision.reason).inc()
+        self.metrics.route_seconds.observe(routed.route_ms / 1000.0)
+        dispatcher = FleetDispatcher(self.fleet, routed)
+        up_headers = self._upstream_headers(headers, request_id)
+        if decision.action == "transfer" and decision.source:
+            raw = await self._transfer(path, body, raw, up_headers, routed, dispatcher)
+        self.router.dispatched(routed, decision.replica)
+        fwd = Forward(path, raw, up_headers, stream, decision.ranked or [decision.replica],
+                      self.config.proxy.max_attempts)
+        try:
+            up = await self.proxy.forward(fwd, dispatcher)
+        except AttemptFailed as failed:
+            return self._failed(failed, routed, request_id, started)
+        if up.replica != decision.replica:
+            self.router.dispatched(routed, up.replica)
+        out_headers = up.client_headers()
+        out_headers.update({
+            "x-request-id": request_id, "x-kvgate-replica": up.replica, "x-kvgate-decision": decision.reason,
+        })
+        if stream and up.status == 200:
+            def on_end(result: StreamResult) -> None:
+                up.ticket.finish(result.end != "stream_error")
+                self._completed(routed, up, started, result.finished_at, result.usage, result.end, stream=True)
+
+            return RelayResponse(relay_stream(up, on_end), status_code=up.status, headers=out_headers)
+        up.ticket.finish(True)
+        usage = usage_of_body(up.body) if up.status == 200 else None
+        self._completed(routed, up, started, up.first_byte_at, usage, "ok", stream=False)
+        return Response(up.body, status_code=up.status, headers=out_headers)
+
+    async def _transfer(
+        self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str], routed: Routed,
+        dispatcher: FleetDispatcher,
+    ) -> bytes:
+        """Run the NixlConnector handshake's first leg on the warm source; return the destination's body.
+
+        On any failure of the first leg the destination recomputes (the original body); the client never sees it.
+        """
+        source = routed.decision.source
+        assert source is not None
+        leg = Forward(path, _encode(first_leg_body(body)), headers, False, [source], 1)
+        params: Any = None
+        try:
+            async with asyncio.timeout(self.config.transfer.first_leg_timeout_s):
+                up = await self.proxy.forward(leg, dispatcher)
+            up.ticket.finish(True)
+            if up.status == 200:
+                params = _decode(up.body).get("kv_transfer_params")
+        except (AttemptFailed, TimeoutError, msgspec.DecodeError, AttributeError) as e:
+            log.warning("transfer first leg on %s failed (%s): recomputing on %s", source, e, routed.decision.replica)
+        if not isinstance(params, dict):
+            self.metrics.transfers.labels("fallback").inc()
+            return raw
+        self.metrics.transfers.labels("completed").inc()
+        return _encode({**body, "kv_transfer_params": params})
+
+    async def passthrough(self, request: Request, path: str) -> Response:
+        """Requests with no prompt prefix to match (embeddings): least-loaded replica, body unchanged."""
+        started = time.monotonic()
+        headers = request.headers
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        tenant: str | None = None
+        try:
+            tenant = self._tenant(headers)
+            raw = await read_body(request, self.config.server.max_body_bytes)
+            model = required_model(parse_body(raw))
+            self._check_model(model)
+            try:
+                decision = self.router.route_passthrough(model)
+            except NoHealthyReplica as e:
+                raise ApiError(503, "no replica can serve this model", code="no_replica") from e
+        except ApiError as e:
+            self._rejected(e, request_id, tenant, started)
+            raise
+        dispatcher = _PassthroughDispatcher(self.fleet)
+        fwd = Forward(path, raw, self._upstream_headers(headers, request_id), False, decision.ranked,
+                      self.config.proxy.max_attempts)
+        try:
+            up = await self.proxy.forward(fwd, dispatcher)
+        except AttemptFailed as failed:
+            err = failed.to_api_error()
+            self.metrics.requests.labels("", str(failed.status or err.status), decision.reason).inc()
+            return err.response({"x-request-id": request_id})
+        up.ticket.finish(True)
+        self.metrics.requests.labels(up.replica, str(up.status), decision.reason).inc()
+        out_headers = up.client_headers()
+        out_headers.update({"x-request-id": request_id, "x-kvgate-replica": up.replica,
+                            "x-kvgate-decision": decision.reason})
+        return Response(up.body, status_code=up.status, headers=out_headers)
+
+    async def explain(self, request: Request) -> dict[str, Any]:
+        """Route a completions or chat body without sending it; the decision and the numbers behind it."""
+        headers = request.headers
+        tenant = self._tenant(headers)
+        body = parse_body(await read_body(request, self.config.server.max_body_bytes))
+        model = required_model(body)
+        self._check_model(model)
+        endpoint: Endpoint = "chat" if "messages" in body else "completions"
+        salt = cache_salt_for(tenant, client_salt(body))
+        try:
+            routed = await self.router.route(
+                endpoint, body, model=model, request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+                session_id=headers.get("x-session-id"), tenant=tenant, cache_salt=salt,
+            )
+        except PromptError as e:
+            raise ApiError(400, e.message, param=e.param, code="invalid_prompt") from e
+        except NoHealthyReplica as e:
+            raise ApiError(503, "no replica can serve this model", code="no_replica") from e
+        return self.router.explain(routed)
+
+    async def ingest_events(self, request: Request) -> dict[str, Any]:
+        """KV events over HTTP, for engines that cannot reach kvgate over ZMQ (same sequence rules)."""
+        raw = await read_body(request, self.config.server.max_body_bytes)
+        headers = request.headers
+        try:
+            result = ingest_http(
+                self.ingestor, headers.get("x-kvgate-replica"), raw, headers.get("content-type"),
+                seq=_int_header(headers, "x-kvgate-seq"), dp_rank=_int_header(headers, "x-kvgate-dp-rank"),
+            )
+        except HttpIngestError as e:
+            raise ApiError(400, str(e), code="invalid_events") from e
+        return {"status": result.status.name.lower(), "events": result.events}
+
+    # accounting
+
+    def _rejected(self, err: ApiError, request_id: str, tenant: str | None, started: float) -> None:
+        self.metrics.rejections.labels(err.code or str(err.status)).inc()
+        self.request_log.request(
+            id=request_id, tenant=tenant, replica=None, decision=None, status=err.status, error=err.code,
+            e2e_ms=round((time.monotonic() - started) * 1000.0, 3), attempts=0,
+        )
+
+    def _failed(self, failed: AttemptFailed, routed: Routed, request_id: str, started: float) -> Response:
+        """Every attempt failed before any byte reached the client: the last engine error as is, else 502/504."""
+        headers = {"x-request-id": request_id, "x-kvgate-decision": routed.decision.reason}
+        if failed.status is not None:
+            status = failed.status
+            response = Response(failed.body, status_code=status, headers=headers,
+                                media_type=failed.headers.get("Content-Type", "application/json"))
+        else:
+            err = failed.to_api_error()
+            status = err.status
+            response = err.response(headers)
+        self.metrics.requests.labels("", str(status), routed.decision.reason).inc()
+        self.request_log.request(
+            id=request_id, tenant=routed.request.tenant, replica=None, decision=routed.decision.reason,
+            action=routed.decision.action, prompt_tokens=routed.request.prompt_tokens, status=status,
+            error=failed.cause, e2e_ms=round((time.monotonic() - started) * 1000.0, 3),
+            attempts=self.config.proxy.max_attempts,
+        )
+        return response
+
+    def _completed(
+        self, routed: Routed, up: Upstream, started: float, finished_at: float, usage: Usage | None, end: str,
+        *, stream: bool,
+    ) -> None:
+        request = routed.request
+        matched = routed.matched_tokens(up.replica)
+        cached = usage.cached_tokens if usage is not None and usage.cached_tokens is not None else None
+        hit = "hit" if (cached if cached is not None else matched) > 0 else "miss"
+        ttft_ms = (up.first_byte_at - started) * 1000.0
+        e2e_ms = (finished_at - started) * 1000.0
+        status = str(up.status) if end == "ok" else end
+        m = self.metrics
+        m.requests.labels(up.replica, status, routed.decision.reason).inc()
+        m.e2e.labels(hit).observe(e2e_ms / 1000.0)
+        m.matched_tokens.inc(matched)
+        if end == "stream_error":
+            m.stream_errors.inc()
+        elif end == "client_disconnect":
+            m.client_disconnects.inc()
+        if usage is not None:
+            m.prompt_tokens.inc(usage.prompt_tokens)
+            m.cached_tokens.inc(cached or 0)
+        if stream:
+            m.ttft.labels(hit).observe(ttft_ms / 1000.0)
+            if end == "ok" and up.status == 200:
+                self._calibrate(routed, up.replica, ttft_ms, usage)
+        self.request_log.request(
+            id=request.request_id, tenant=request.tenant, model=request.model, replica=up.replica,
+            decision=routed.decision.reason, action=routed.decision.action, prompt_tokens=request.prompt_tokens,
+            matched_tokens=matched, cached_tokens=cached, ttft_ms=round(ttft_ms, 3) if stream else None,
+            e2e_ms=round(e2e_ms, 3), status=status, attempts=up.attempts, stream=stream,
+        )
+
+    def _calibrate(self, routed: Routed, replica: str, ttft_ms: float, usage: Usage | None) -> None:
+        """Feed the calibrator the engine's own token counts, or the router's when they are exact."""
+        if usage is not None and usage.cached_tokens is not None:
+            self.router.observe(routed, replica, ttft_ms, usage.prompt_tokens, usage.cached_tokens)
+        elif not routed.request.approximate:
+            request = routed.request
+            self.router.observe(routed, replica, ttft_ms, request.prompt_tokens, routed.matched_tokens(replica))
+
+
+class _PassthroughDispatcher:
+    """Load accounting for requests with no prompt to prefill-count (embeddings)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def url_of(self, name: str) -> str | None:
+        replica = self.fleet.replicas.get(name)
+        return replica.url if replica is not None else None
+
+    def routable(self, name: str) -> bool:
+        replica = self.fleet.replicas.get(name)
+        return replica is not None and replica.routable()
+
+    def dispatch(self, name: str) -> Any:
+        return self.fleet.dispatch(name, 0)
+
+
+def _int_header(headers: Headers, name: str) -> int | None:
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ApiError(400, f"header {name} must be an integer", param=name, code="invalid_header") from None
+
+
+def _fields(stats: Any) -> dict[str, Any]:
+    """A stats object's public fields (dataclass or plain object), for :class:`router.metrics.StatsCollector`."""
+    names = getattr(stats, "__dataclass_fields__", None) or [n for n in vars(stats) if not n.startswith("_")]
+    return {n: getattr(stats, n) for n in names}
+
+
+def create_app(holder: ConfigHolder) -> FastAPI:
+    gateway = Gateway(holder)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        app.include_router(build_admin_router(gateway.fleet, holder))
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.generate(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.generate(request, "completions", "/v1/completions")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await gateway.passthrough(request, "/v1/embeddings")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": gateway.fleet.models()})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        routable = [r.name for r in gateway.fleet.routable()]
+        if not routable:
+            raise ApiError(503, "no routable replica", code="no_replica")
+        return json_response({"status": "ready", "routable": routable})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/kvgate/v1/explain")
+    async def explain(request: Request) -> Response:
+        return json_response(await gateway.explain(request))
+
+    @app.post("/kvgate/v1/events")
+    async def events(request: Request) -> Response:
+        return json_response(await gateway.ingest_events(request))
+
+    return app
