@@ -135,7 +135,8 @@ def sim_fleet(args: argparse.Namespace, out_dir: Path, label: str) -> Iterator[F
     zmq_port = free_port_block(2 * args.replicas)
     config = out_dir / "logs" / f"{label}-fleet.yaml"
     cmd = [*KVGATE, "sim", "--replicas", str(args.replicas), "--port", str(http_port), "--zmq-port", str(zmq_port),
-           "--time-scale", str(args.time_scale), "--write-config", str(config)]
+           "--time-scale", str(args.time_scale), "--seed", str(args.seed), "--model", args.model,
+           "--tokenizer", str(args.tokenizer), "--write-config", str(config)]
     if args.kv_blocks is not None:
         cmd += ["--kv-blocks", str(args.kv_blocks)]
     cmd += shlex.split(args.sim_args)
