@@ -6,9 +6,12 @@ Sequence rules, per (replica, DP rank) stream:
 - ``seq == expected``: applied;
 - ``seq > expected``: a gap. Nothing is applied (neither this frame nor later ones) until the caller repairs the gap
   by feeding the missing frames (replay) or gives up and calls :meth:`EventIngestor.purge`;
-- ``seq < expected``: ``seq == 0`` or a jump back of more than ``duplicate_window`` means the engine restarted
-  (every publisher counts from 0): the replica's generation is bumped, everything it held is dropped and the frame
-  is applied; otherwise the frame is a duplicate or a late replay frame and is discarded, never applied twice.
+- ``seq < expected``: either a frame seen before, discarded (never applied twice), or an engine restart (every
+  publisher counts from 0): the replica's generation is bumped, everything it held is dropped and the frame is
+  applied. ZMQ PUB/SUB never delivers a frame twice, so on a live stream (``source="zmq"``) the only duplicates are
+  live frames that a replay already delivered, and any other step back is a restart, even if the restarted engine's
+  first frames were missed. Over HTTP (retries) and replay, ``seq == 0`` or a step back of more than
+  ``duplicate_window`` is a restart and anything closer is a duplicate.
 
 Generations: every restart, ``AllBlocksCleared``, reset (health loss, drain) or namespace change bumps the
 replica's generation and drops all its holdings. A caller that captured a generation before awaiting something
@@ -38,8 +41,7 @@ from cache_index.keys import block_keys, namespace_key
 from cache_index.match import tier_of_medium
 
 DEFAULT_DUPLICATE_WINDOW = 100_000
-"""How far back a sequence number may be and still count as a duplicate rather than a restart (vLLM keeps 10,000
-batches for replay by default, so late frames from a replay are well within this)."""
+"""Over HTTP and replay: how far back a sequence number may be and still count as a duplicate, not a restart."""
 
 _FULL_ATTENTION = (None, "full_attention")
 
@@ -96,6 +98,8 @@ class IngestStats:
 class _Stream:
     expected: int | None = None
     gap: tuple[int, int] | None = None
+    replayed_through: int | None = None
+    """Last sequence number a replay applied, until the live stream catches up with it."""
 
 
 @dataclass(slots=True)
@@ -223,7 +227,7 @@ class EventIngestor:
                     stats.gaps_detected += 1
                     stream.gap = (expected, seq)
                 return ApplyResult(ApplyStatus.GAP, expected=expected, got=seq)
-            if seq != 0 and expected - seq <= self.duplicate_window:
+            if self._is_duplicate(stream, seq, expected, source):
                 stats.dropped["duplicate"] += 1
                 return ApplyResult(ApplyStatus.DUPLICATE)
             self._bump(name, replica, clear_streams=True)
@@ -232,6 +236,7 @@ class EventIngestor:
             status = ApplyStatus.RESTARTED
         stream.expected = seq + 1
         stream.gap = None
+        stream.replayed_through = seq if source == "replay" else None
         try:
             batch = payload if isinstance(payload, DecodedBatch) else decode_batch(payload)
         except MalformedBatch:
@@ -243,6 +248,11 @@ class EventIngestor:
         applied = self._apply_events(name, replica, batch)
         stats.frames_applied += 1
         return ApplyResult(status, events=applied)
+
+    def _is_duplicate(self, stream: _Stream, seq: int, expected: int, source: str) -> bool:
+        if source == "zmq":
+            return stream.replayed_through is not None and seq <= stream.replayed_through
+        return seq != 0 and expected - seq <= self.duplicate_window
 
     def _apply_events(self, name: str, replica: _Replica, batch: DecodedBatch) -> int:
         stats = self.stats

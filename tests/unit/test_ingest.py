@@ -47,10 +47,25 @@ def test_in_order_frames_apply_and_duplicates_are_discarded(setup) -> None:
     assert ingestor.apply("r", 5, chain()).status is ApplyStatus.APPLIED  # first seq seen is accepted
     assert ingestor.apply("r", 6, frame(BlockRemoved([4], "GPU"))).status is ApplyStatus.APPLIED
     assert held(index) == 12
-    assert ingestor.apply("r", 5, chain()).status is ApplyStatus.DUPLICATE  # never double-counted
+    assert ingestor.apply("r", 5, chain(), source="http").status is ApplyStatus.DUPLICATE  # never double-counted
     assert held(index) == 12
     assert ingestor.stats.dropped["duplicate"] == 1
     assert ingestor.expected_seq("r", None) == 7
+
+
+def test_on_a_live_zmq_stream_only_frames_a_replay_delivered_are_duplicates(setup) -> None:
+    index, ingestor = setup
+    ingestor.apply("r", 0, chain(tokens=TOKENS[:4]))
+    assert ingestor.apply("r", 3, frame()).status is ApplyStatus.GAP
+    for seq in (1, 2, 3, 4):
+        assert ingestor.apply("r", seq, frame(), source="replay").applied
+    assert ingestor.apply("r", 3, frame()).status is ApplyStatus.DUPLICATE  # buffered while replaying
+    assert ingestor.apply("r", 4, frame()).status is ApplyStatus.DUPLICATE
+    assert ingestor.apply("r", 5, frame()).applied
+    assert held(index) == 4
+    # an engine that restarted while we were reconnecting: its frames 0..2 were missed
+    assert ingestor.apply("r", 3, chain(first_hash=40, tokens=TOKENS[:8])).status is ApplyStatus.RESTARTED
+    assert held(index) == 8
 
 
 def test_gap_holds_everything_until_repaired(setup) -> None:
@@ -90,13 +105,13 @@ def test_sequence_back_to_zero_is_a_restart(setup) -> None:
     assert ingestor.stats.restarts == 1
 
 
-def test_a_big_jump_back_is_a_restart() -> None:
+def test_over_http_a_big_jump_back_is_a_restart() -> None:
     index = PrefixIndex()
     ingestor = EventIngestor(index, duplicate_window=10)
     ingestor.add_replica("r", model="m")
     ingestor.apply("r", 100, chain())
-    assert ingestor.apply("r", 95, frame()).status is ApplyStatus.DUPLICATE
-    assert ingestor.apply("r", 50, frame()).status is ApplyStatus.RESTARTED
+    assert ingestor.apply("r", 95, frame(), source="http").status is ApplyStatus.DUPLICATE
+    assert ingestor.apply("r", 50, frame(), source="http").status is ApplyStatus.RESTARTED
     assert held(index) == 0
 
 

@@ -1,0 +1,188 @@
+"""The ZMQ subscriber against a real PUB socket and a real replay ROUTER, framed as vLLM frames them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from cache_index.index import PrefixIndex
+from cache_index.ingest import EventIngestor
+from cache_index.keys import block_keys, namespace_key
+from cache_index.subscriber import SubscriptionManager
+from cache_index.vllm_wire import END_SEQ, BlockStored, KVEventBatch, encode_seq
+from tests.support import port_block
+
+pytestmark = pytest.mark.integration
+
+BS = 4
+TOKENS = list(range(300, 340))  # ten blocks, one per frame
+DEADLINE_S = 5.0
+
+
+def payload(block: int) -> bytes:
+    parent = None if block == 0 else block
+    event = BlockStored([block + 1], parent, TOKENS[block * BS : (block + 1) * BS], BS, None, "GPU", None)
+    return msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[event], data_parallel_rank=0))
+
+
+class FakeEngine:
+    """A vLLM-shaped publisher: PUB ``[topic, seq, payload]`` and a replay ROUTER over its buffer, replying as
+    vLLM ≥0.26 (``[b"", topic, seq, payload]``) or ≤0.24 (``[b"", seq, payload]``) does."""
+
+    def __init__(self, context: zmq.asyncio.Context, port: int, *, topic_in_replay: bool = True) -> None:
+        self.topic = b"kv"
+        self.topic_in_replay = topic_in_replay
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{port + 1}"
+        self.pub = context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(self.endpoint)
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(self.replay_endpoint)
+        self.buffer: dict[int, bytes] = {}
+        self.replay_requests: list[int] = []
+        self._replayer = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    async def publish(self, seq: int, data: bytes, *, drop: bool = False) -> None:
+        self.buffer[seq] = data
+        if not drop:
+            await self.pub.send_multipart([self.topic, encode_seq(seq), data])
+
+    async def _serve_replay(self) -> None:
+        while True:
+            identity, _, start = await self.router.recv_multipart()
+            start_seq = int.from_bytes(start, "big")
+            self.replay_requests.append(start_seq)
+            topic = [self.topic] if self.topic_in_replay else []
+            for seq in sorted(s for s in self.buffer if s >= start_seq):
+                await self.router.send_multipart([identity, b"", *topic, encode_seq(seq), self.buffer[seq]])
+            await self.router.send_multipart([identity, b"", *([b""] if self.topic_in_replay else []), END_SEQ, b""])
+
+    async def close(self) -> None:
+        self._replayer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self._replayer
+        self.pub.close(0)
+        self.router.close(0)
+
+
+async def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[tuple[zmq.asyncio.Context, PrefixIndex, EventIngestor, SubscriptionManager]]:
+    context = zmq.asyncio.Context()
+    index = PrefixIndex()
+    ingestor = EventIngestor(index)
+    ingestor.add_replica("r", model="m")
+    manager = SubscriptionManager(ingestor, context=context, replay_timeout_s=1.0)
+    try:
+        yield context, index, ingestor, manager
+    finally:
+        await manager.stop_all()
+        context.destroy(linger=0)
+
+
+def held_tokens(index: PrefixIndex) -> int:
+    match = index.lookup(block_keys(namespace_key("m"), TOKENS, BS), BS).get("r")
+    return 0 if match is None else match.total
+
+
+async def connect(engine: FakeEngine, ingestor: EventIngestor) -> None:
+    """Publish frame 0 until the subscription is live (ZMQ drops PUB messages sent before a SUB has joined)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while ingestor.expected_seq("r") != 1:
+        assert time.monotonic() < deadline, "subscriber never received frame 0"
+        await engine.publish(0, payload(0))
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("topic_in_replay", [True, False], ids=["vllm-0.26+", "vllm-0.24-"])
+async def test_live_frames_apply_and_a_dropped_frame_is_repaired_by_replay(fleet, topic_in_replay: bool) -> None:
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, port_block(2), topic_in_replay=topic_in_replay)
+    try:
+        manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
+        await connect(engine, ingestor)
+        await engine.publish(1, payload(1))
+        await engine.publish(2, payload(2), drop=True)
+        await engine.publish(3, payload(3))
+        for seq in range(4, 10):
+            await engine.publish(seq, payload(seq))
+        await wait_until(lambda: held_tokens(index) == len(TOKENS), "all ten blocks")
+        assert engine.replay_requests == [2]
+        assert ingestor.stats.gaps_detected == 1
+        assert ingestor.stats.replays_succeeded == 1 and ingestor.stats.purges == 0
+    finally:
+        await engine.close()
+
+
+async def test_replay_that_no_longer_covers_the_gap_purges(fleet) -> None:
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, port_block(2))
+    try:
+        manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
+        await connect(engine, ingestor)
+        await engine.publish(1, payload(1))
+        await engine.publish(2, payload(2), drop=True)
+        del engine.buffer[2]  # fell out of the engine's replay buffer
+        await engine.publish(3, payload(3))
+        await wait_until(lambda: ingestor.expected_seq("r") == 4, "frame 3")
+        assert engine.replay_requests == [2]
+        assert ingestor.stats.replays_failed == 1 and ingestor.stats.purges == 1
+        assert held_tokens(index) == 0  # block 3's parent was purged: nothing is guessed
+    finally:
+        await engine.close()
+
+
+async def test_without_replay_a_gap_purges_and_the_index_rebuilds_from_new_frames(fleet) -> None:
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, port_block(2))
+    try:
+        subscriber = manager.start("r", engine.endpoint, None, topic="kv")
+        await connect(engine, ingestor)
+        await engine.publish(1, payload(1))
+        await wait_until(lambda: held_tokens(index) == 8, "two blocks")
+        await engine.publish(2, payload(2), drop=True)
+        await engine.publish(3, payload(3))  # orphan after the purge: its parent was forgotten
+        restarted_chain = msgspec.msgpack.encode(
+            KVEventBatch(ts=1.0, events=[BlockStored([100, 101], None, TOKENS[:8], BS, None, "GPU", None)])
+        )
+        await engine.publish(4, restarted_chain)
+        await wait_until(lambda: ingestor.expected_seq("r") == 5, "frame 4")
+        assert ingestor.stats.purges == 1 and ingestor.stats.replays_requested == 0
+        assert ingestor.stats.dropped["orphan"] == 1
+        assert held_tokens(index) == 8
+        assert subscriber.malformed_frames == 0
+    finally:
+        await engine.close()
+
+
+async def test_bad_frames_are_counted_and_never_stop_the_subscription(fleet) -> None:
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, port_block(2))
+    try:
+        subscriber = manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
+        await connect(engine, ingestor)
+        await engine.pub.send_multipart([b"kv", b"short", payload(1)])
+        await engine.pub.send_multipart([b"kv", b"a", b"b", b"c"])
+        await engine.pub.send_multipart([b"kv", encode_seq(1), b"\xc1 not msgpack"])
+        await engine.publish(2, payload(0))
+        await wait_until(lambda: ingestor.expected_seq("r") == 3, "frame 2")
+        assert subscriber.malformed_frames == 2
+        assert ingestor.stats.dropped["malformed"] == 3
+        assert held_tokens(index) == 4
+    finally:
+        await engine.close()
