@@ -1,0 +1,264 @@
+"""`kvgate serve` end to end: a real `kvgate sim` fleet, kvgate as a subprocess, the official openai client as caller."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.support import Gateway, Sim, start_kvgate, start_sim
+
+pytestmark = pytest.mark.integration
+
+MODEL = "kvgate-sim"
+
+
+def gateway_config(sim: Sim, directory: Path, name: str, **sections: dict) -> Path:
+    """The sim's policy file with faster health checks (and any section overrides) for tests."""
+    config = yaml.safe_load(sim.config_path.read_text())
+    config["health"] = {"interval_s": 0.2, "timeout_s": 0.5, "failures_to_down": 2, "successes_to_up": 1}
+    config.update(sections)
+    path = directory / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def sim_fault(sim: Sim, via: int, action: str, replica: int) -> None:
+    httpx.post(sim.url(via) + "/sim/fault", json={"action": action, "replica": replica}, timeout=5).raise_for_status()
+
+
+def sim_requests(sim: Sim, i: int) -> list[dict]:
+    return httpx.get(sim.url(i) + "/sim/requests?limit=1000", timeout=5).json()["requests"]
+
+
+def metric_value(gw: Gateway, name: str, **labels: str) -> float:
+    text = httpx.get(gw.url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gateway")
+
+
+@pytest.fixture(scope="module")
+def sim(workdir: Path) -> Iterator[Sim]:
+    s = start_sim(workdir, 3, "--time-scale", "1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(sim: Sim, workdir: Path) -> Iterator[Gateway]:
+    config = gateway_config(sim, workdir, "kvgate.yaml", server={"max_body_bytes": 200_000})
+    g = start_kvgate(workdir, config)
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def rr_gw(sim: Sim, workdir: Path) -> Iterator[Gateway]:
+    """Round robin with the breaker slow to open, so a stopped replica keeps being tried first and retried."""
+    config = gateway_config(sim, workdir, "kvgate-rr.yaml", breaker={"failures_to_open": 100})
+    g = start_kvgate(workdir, config, "--policy", "round_robin")
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_chat_non_streaming_through_kvgate(client: openai.OpenAI, sim: Sim) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello gateway"}], max_tokens=5,
+        extra_headers={"X-Request-Id": "req-nonstream-1", "X-Session-ID": "sess-1"},
+    )
+    completion = raw.parse()
+    assert completion.choices[0].message.content
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+    replica = raw.headers["x-kvgate-replica"]
+    assert replica.startswith("sim-")
+    assert raw.headers["x-kvgate-decision"]
+    assert raw.headers["x-request-id"] == "req-nonstream-1"
+    seen = [r for r in sim_requests(sim, int(replica.split("-")[1])) if r["headers"]["x-request-id"] == "req-nonstream-1"]
+    assert seen and seen[0]["headers"]["x-session-id"] == "sess-1"
+
+
+def test_chat_streaming_through_kvgate(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "stream to me"}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert raw.headers["x-kvgate-replica"].startswith("sim-")
+    assert raw.headers["x-kvgate-decision"]
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
+    done = client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=4)
+    assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 4
+    chunks = list(client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=6, stream=True))
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) == 6
+
+
+def test_models_lists_the_fleet_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_repeated_prompt_is_routed_warm_and_explained(client: openai.OpenAI, gw: Gateway) -> None:
+    prompt = "the shared document " * 60
+    first = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
+    warm = first.headers["x-kvgate-replica"]
+
+    def held() -> dict | None:
+        body = httpx.post(gw.url + "/kvgate/v1/explain", json={"model": MODEL, "prompt": prompt}, timeout=5).json()
+        row = next(r for r in body["replicas"] if r["name"] == warm)
+        return body if row["cached_tokens"]["gpu"] >= 16 else None
+
+    explained = wait_until(held)
+    assert explained["prompt_tokens"] > 100 and explained["approximate"] is False
+    assert explained["decision"]["replica"] == warm and explained["decision"]["action"] == "route"
+    assert {"queue_delay_ms", "predicted_ttft_ms", "generation", "healthy"} <= set(explained["replicas"][0])
+    assert "per_token_ms" in explained["cost_model"]
+    again = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert again.headers["x-kvgate-replica"] == warm
+    assert again.headers["x-kvgate-decision"] == "warm"
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+        (json.dumps({"model": MODEL}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": "not a list"}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(),
+         400, "stream"),
+        (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}).encode(), 404,
+         "model"),
+    ],
+)
+def test_bad_input_gets_openai_error(gw: Gateway, content: bytes, status: int, param: str | None) -> None:
+    r = httpx.post(gw.url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_body_over_limit_is_413_by_length_and_by_stream(gw: Gateway) -> None:
+    big = json.dumps({"model": MODEL, "prompt": "x" * 300_000}).encode()
+    r = httpx.post(gw.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked() -> Iterator[bytes]:
+        for i in range(0, len(big), 16384):
+            yield big[i : i + 16384]
+
+    r = httpx.post(gw.url + "/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_unknown_route_and_method_are_openai_errors(gw: Gateway) -> None:
+    r = httpx.get(gw.url + "/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(gw.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_ready_health_and_metrics(gw: Gateway, client: openai.OpenAI) -> None:
+    assert httpx.get(gw.url + "/health").status_code == 200
+    assert httpx.get(gw.url + "/ready").status_code == 200
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=1)
+    assert metric_value(gw, "kvgate_requests_total", status="200") >= 1
+    assert metric_value(gw, "kvgate_in_flight", replica="sim-0") == 0
+    assert metric_value(gw, "kvgate_breaker_state", replica="sim-0", state="closed") == 1
+    assert metric_value(gw, "kvgate_index_entries") >= 0
+    assert metric_value(gw, "kvgate_rejections_total") >= 0
+
+
+def test_stopped_replica_is_retried_elsewhere(sim: Sim, rr_gw: Gateway) -> None:
+    rr = openai.OpenAI(base_url=rr_gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    sim_fault(sim, 0, "stop", 2)
+    try:
+        served = [
+            rr.completions.with_raw_response.create(model=MODEL, prompt=f"retry me {i}", max_tokens=1)
+            for i in range(6)
+        ]
+    finally:
+        sim_fault(sim, 0, "start", 2)
+    assert all(r.http_response.status_code == 200 for r in served)
+    assert "sim-2" not in {r.headers["x-kvgate-replica"] for r in served}
+    assert metric_value(rr_gw, "kvgate_retries_total", cause="connect") >= 1
+
+
+def test_replica_stopped_mid_stream_ends_with_error_event(sim: Sim, gw: Gateway) -> None:
+    with httpx.stream(
+        "POST", gw.url + "/v1/completions", timeout=30,
+        json={"model": MODEL, "prompt": "a long story", "max_tokens": 2000, "stream": True},
+    ) as r:
+        assert r.status_code == 200
+        replica = int(r.headers["x-kvgate-replica"].split("-")[1])
+        events: list[str] = []
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:
+                sim_fault(sim, (replica + 1) % sim.replicas, "stop", replica)
+    try:
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "upstream_stream_error"
+        chunks = [json.loads(e) for e in events[:-2]]
+        assert len({c["id"] for c in chunks}) == 1  # one generation only: nothing was retried or duplicated
+        assert 3 <= len(chunks) < 2000
+    finally:
+        sim_fault(sim, (replica + 1) % sim.replicas, "start", replica)
+        wait_until(lambda: metric_value(gw, "kvgate_replica_healthy", replica=f"sim-{replica}") == 1)
+
+
+def test_client_disconnect_aborts_the_upstream_request(sim: Sim, gw: Gateway) -> None:
+    request_id = "disconnect-me-1"
+    with httpx.stream(
+        "POST", gw.url + "/v1/chat/completions", timeout=30, headers={"X-Request-Id": request_id},
+        json={"model": MODEL, "messages": [{"role": "user", "content": "talk a lot"}], "max_tokens": 3000,
+              "stream": True},
+    ) as r:
+        replica = int(r.headers["x-kvgate-replica"].split("-")[1])
+        next(r.iter_lines())
+
+    def status() -> str | None:
+        seen = [x for x in sim_requests(sim, replica) if x["headers"]["x-request-id"] == request_id]
+        return seen[0]["status"] if seen and seen[0]["status"] != "running" else None
+
+    assert wait_until(status, timeout=5) == "aborted"
+    wait_until(lambda: metric_value(gw, "kvgate_client_disconnects_total") >= 1)
+    assert metric_value(gw, "kvgate_in_flight", replica=f"sim-{replica}") == 0
