@@ -189,6 +189,8 @@ class ReplicationConfig(Section):
     warmup_budget_tokens_per_s: float = Field(200_000.0, ge=0)
     """Global budget of warm-up prefill work."""
     min_prefix_tokens: int = Field(256, ge=0)
+    warmup_timeout_s: float = Field(30.0, gt=0)
+    """A started warm-up blocks further warm-ups of its prefix until its target holds it or this long passed."""
 
 
 class KvgateConfig(Section):

@@ -210,6 +210,10 @@ class CostModel:
         storage_rate = self.tier_load_ms_per_token.get("storage", per_token)
         return cpu_tokens * cpu_rate + storage_tokens * storage_rate
 
+    def wire_ms(self, tokens: int) -> float:
+        """Moving ``tokens`` tokens of KV over the link: setup + bytes / bandwidth."""
+        return self.transfer.setup_ms + tokens * self.kv_bytes_per_token / (self.transfer.bandwidth_gib_s * GIB) * 1000.0
+
     def transfer_estimate(
         self,
         request: RouteRequest,
@@ -239,7 +243,7 @@ class CostModel:
         )
         tokens = request.prompt_tokens - dest_cached
         nbytes = tokens * self.kv_bytes_per_token
-        wire = self.transfer.setup_ms + nbytes / (self.transfer.bandwidth_gib_s * GIB) * 1000.0
+        wire = self.wire_ms(tokens)
         dest_step = self.prefill.fixed_ms
         return TransferEstimate(
             source=source.name,

@@ -1,0 +1,242 @@
+"""Hot-prefix replication planning: when one replica cannot serve a prefix's traffic, make another one warm.
+
+The cost policy alone spreads a hot prefix only by recomputing it on idle replicas request after request. When a
+prefix is hot enough, it pays to warm one more replica once — with a background prefill-only request, or a KV
+transfer when that is cheaper — and let the cost policy spread the traffic from then on. This module decides
+*which* prefix to warm *where*; the router executes the warm-ups and reports back through :meth:`record`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Hashable, Literal, Sequence
+
+from policies.base import ReplicaView
+from policies.config import ReplicationConfig
+from policies.cost_model import CostModel
+
+RETIRE_FRACTION = 0.5
+"""Hysteresis: warmed replicas are retired once the saving falls below this fraction of ``min_saving_ms_per_s``."""
+FORGET_RATE_PER_S = 0.01
+"""Prefixes whose decayed rate fell below this (about one request per 100 s) are forgotten."""
+MAX_TRACKED = 10_000
+"""Bound on tracked prefixes; beyond it the coldest are forgotten."""
+
+PrefixKey = Hashable
+"""The prefix index's chain key of the deepest matched block (opaque here)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Warmup:
+    """Warm ``target`` with the ``prefix_tokens``-token prefix ``prefix_key``."""
+
+    prefix_key: PrefixKey
+    prefix_tokens: int
+    target: str
+    via: Literal["prefill", "transfer"]
+    """``prefill``: a background prefill-only request (max_tokens 1); ``transfer``: pull the KV from ``source``."""
+    source: str | None
+    """The least-busy holder (the transfer's source; for a prefill warm-up, where the prompt's tokens live)."""
+    reason: str
+    saving_ms_per_s: float
+    """Decayed request rate × prefill each request saves: the prefix's heat."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retired:
+    """Replicas warmed for ``prefix_key`` that are no longer counted as its targets."""
+
+    prefix_key: PrefixKey
+    replicas: frozenset[str]
+    reason: str
+
+
+@dataclass(slots=True)
+class _Prefix:
+    tokens: int
+    rate_per_s: float
+    updated: float
+    holders: frozenset[str]
+    warmed: set[str] = field(default_factory=set)
+    """Replicas this planner warmed for the prefix (counted against ``max_replicas_per_prefix``)."""
+    pending: tuple[str, float] | None = None
+    """A warm-up in flight: (target, deadline)."""
+
+
+class HotPrefixTracker:
+    """Tracks per prefix a decayed request rate and plans warm-ups for the hot ones.
+
+    Rate: an exponentially decayed count scaled to requests per second (half-life ``half_life_s``), so a steady
+    Poisson stream of ``ρ`` requests/s reads ``ρ``. Heat: ``rate × (prefill_ms(prefix) − fixed_ms)`` — the
+    prefill every request avoids when it lands on a holder.
+
+    A prefix gets one more replica when all of these hold:
+
+    * heat ≥ ``min_saving_ms_per_s`` and the prefix has ≥ ``min_prefix_tokens`` tokens;
+    * every healthy holder's queue delay exceeds the best non-holder's ``queue delay + prefill_ms(prefix)`` (the
+      holders are the bottleneck: requests would rather recompute elsewhere than wait);
+    * holders + replicas already warmed < ``max_replicas_per_prefix``;
+    * no warm-up of this prefix is in flight (until its target shows up as a holder, the router reports it
+      finished, or ``warmup_timeout_s`` passes);
+    * the global token bucket (``warmup_budget_tokens_per_s``, one second of burst) holds the prefix's tokens.
+
+    ``via="transfer"`` when a KV connector is configured, the prefix is at least ``transfer.min_tokens`` long, and
+    moving it costs less than prefilling it on the target (setup + bytes/bandwidth + one engine step versus
+    ``prefill_ms``): the target's GPU time is what a warm-up spends.
+
+    When the heat falls below ``RETIRE_FRACTION × min_saving_ms_per_s``, the warmed replicas stop being counted
+    (:meth:`retire` reports them); engine LRU reclaims their blocks as traffic moves on. ``counts`` holds
+    started / retired / skipped counters by reason, for metrics.
+    """
+
+    def __init__(self, config: ReplicationConfig) -> None:
+        self.config = config
+        self._decay_per_s = math.log(2) / config.half_life_s
+        self._prefixes: dict[PrefixKey, _Prefix] = {}
+        self._budget_tokens = config.warmup_budget_tokens_per_s
+        self._budget_updated: float | None = None
+        self.counts: Counter[tuple[str, str]] = Counter()
+        """(event, reason) → count; events ``started``, ``retired``, ``failed`` (timeout / reported) and ``skipped``
+        (hot prefixes passed over in a planning round: ``cap``, ``budget``)."""
+
+    def __len__(self) -> int:
+        return len(self._prefixes)
+
+    def record(self, prefix_key: PrefixKey, prefix_tokens: int, holders: set[str] | frozenset[str], now: float) -> None:
+        """One request matched this prefix, held by ``holders`` (from the prefix index) at time ``now`` (s)."""
+        if not self.config.enabled or prefix_tokens <= 0:
+            return
+        entry = self._prefixes.get(prefix_key)
+        if entry is None:
+            if len(self._prefixes) >= MAX_TRACKED:
+                self._forget_coldest(now)
+            entry = _Prefix(tokens=prefix_tokens, rate_per_s=0.0, updated=now, holders=frozenset(holders))
+            self._prefixes[prefix_key] = entry
+        self._decay(entry, now)
+        entry.rate_per_s += self._decay_per_s
+        entry.tokens = prefix_tokens
+        entry.holders = frozenset(holders)
+        if entry.pending is not None and entry.pending[0] in entry.holders:
+            entry.pending = None
+
+    def warmup_finished(self, prefix_key: PrefixKey, target: str, ok: bool) -> None:
+        """The router's report on a warm-up it ran; a failed one frees its slot for another target."""
+        entry = self._prefixes.get(prefix_key)
+        if entry is None or entry.pending is None or entry.pending[0] != target:
+            return
+        entry.pending = None
+        if not ok:
+            entry.warmed.discard(target)
+            self.counts[("failed", "reported")] += 1
+
+    def heat_ms_per_s(self, prefix_key: PrefixKey, cost_model: CostModel, now: float) -> float:
+        entry = self._prefixes.get(prefix_key)
+        return 0.0 if entry is None else self._heat(entry, cost_model, now)
+
+    def retire(self, cost_model: CostModel, now: float) -> list[Retired]:
+        """Stop counting warmed replicas of prefixes that cooled down; forget prefixes nobody asks for."""
+        retired = []
+        threshold = self.config.min_saving_ms_per_s * RETIRE_FRACTION
+        for key, entry in list(self._prefixes.items()):
+            heat = self._heat(entry, cost_model, now)
+            if entry.warmed and heat < threshold:
+                retired.append(Retired(key, frozenset(entry.warmed), "cooled"))
+                self.counts[("retired", "cooled")] += 1
+                entry.warmed.clear()
+                entry.pending = None
+            if entry.rate_per_s < FORGET_RATE_PER_S and not entry.warmed:
+                del self._prefixes[key]
+        return retired
+
+    def plan(self, views: Sequence[ReplicaView], cost_model: CostModel, now: float) -> list[Warmup]:
+        """Warm-ups to start now, hottest prefix first."""
+        if not self.config.enabled:
+            return []
+        self._refill(now)
+        queues = {v.name: cost_model.queue_delay_ms(v) for v in views if v.healthy}
+        hot = []
+        for key, entry in self._prefixes.items():
+            heat = self._heat(entry, cost_model, now)
+            if heat >= self.config.min_saving_ms_per_s and entry.tokens >= self.config.min_prefix_tokens:
+                hot.append((heat, key, entry))
+        hot.sort(key=lambda item: item[0], reverse=True)
+        warmups = []
+        for heat, key, entry in hot:
+            warmup = self._plan_one(key, entry, heat, queues, cost_model, now)
+            if warmup is not None:
+                warmups.append(warmup)
+        return warmups
+
+    def _plan_one(
+        self,
+        key: PrefixKey,
+        entry: _Prefix,
+        heat: float,
+        queues: dict[str, float],
+        cost_model: CostModel,
+        now: float,
+    ) -> Warmup | None:
+        if entry.pending is not None:
+            if now < entry.pending[1]:
+                return None
+            entry.warmed.discard(entry.pending[0])
+            entry.pending = None
+            self.counts[("failed", "timeout")] += 1
+        holders = [h for h in entry.holders if h in queues]
+        if not holders:
+            return None
+        if len(entry.holders | entry.warmed) >= self.config.max_replicas_per_prefix:
+            self.counts[("skipped", "cap")] += 1
+            return None
+        source = min(holders, key=lambda h: queues[h])
+        recompute = cost_model.prefill_ms(entry.tokens)
+        targets = [n for n in queues if n not in entry.holders and n not in entry.warmed]
+        if not targets:
+            return None
+        target = min(targets, key=lambda n: queues[n])
+        if queues[source] <= queues[target] + recompute:
+            return None
+        if self._budget_tokens < entry.tokens:
+            self.counts[("skipped", "budget")] += 1
+            return None
+        self._budget_tokens -= entry.tokens
+        via = self._via(entry.tokens, cost_model)
+        entry.warmed.add(target)
+        entry.pending = (target, now + self.config.warmup_timeout_s)
+        self.counts[("started", "hot-prefix")] += 1
+        return Warmup(key, entry.tokens, target, via, source, "hot-prefix", heat)
+
+    @staticmethod
+    def _via(tokens: int, cost_model: CostModel) -> Literal["prefill", "transfer"]:
+        transfer = cost_model.transfer
+        if not cost_model.transfer_enabled or tokens < transfer.min_tokens:
+            return "prefill"
+        moved = cost_model.wire_ms(tokens) + cost_model.prefill.fixed_ms
+        return "transfer" if moved < cost_model.prefill_ms(tokens) else "prefill"
+
+    def _heat(self, entry: _Prefix, cost_model: CostModel, now: float) -> float:
+        self._decay(entry, now)
+        saved = cost_model.prefill_ms(entry.tokens) - cost_model.prefill.fixed_ms
+        return entry.rate_per_s * saved
+
+    def _decay(self, entry: _Prefix, now: float) -> None:
+        elapsed = now - entry.updated
+        if elapsed > 0:
+            entry.rate_per_s *= math.exp(-self._decay_per_s * elapsed)
+            entry.updated = now
+
+    def _refill(self, now: float) -> None:
+        capacity = self.config.warmup_budget_tokens_per_s
+        if self._budget_updated is not None and now > self._budget_updated:
+            self._budget_tokens = min(capacity, self._budget_tokens + capacity * (now - self._budget_updated))
+        self._budget_updated = now if self._budget_updated is None else max(now, self._budget_updated)
+
+    def _forget_coldest(self, now: float) -> None:
+        """Drop the coldest tenth of the tracked prefixes (never ones with warmed replicas)."""
+        for entry in self._prefixes.values():
+            self._decay(entry, now)
+        coldest = sorted((k for k, e in self._prefixes.items() if not e.warmed), key=lambda k: self._prefixes[k].rate_per_s)
+        for key in coldest[: max(1, len(coldest) // 10)]:
+            del self._prefixes[key]

@@ -1,0 +1,143 @@
+"""Hot-prefix replication planning on constructed fleets: triggers, caps, budget, cooldown, retirement."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_index.match import PrefixMatch
+from policies.base import ReplicaView
+from policies.config import PrefillCost, ReplicationConfig, TransferConfig
+from policies.cost_model import CostModel
+from policies.replication import HotPrefixTracker
+
+MODEL = CostModel(PrefillCost(), {"cpu": 0.015}, TransferConfig(), 320 * 1024)
+PREFIX = 8000  # saves 0.035 x 8000 = 280 ms per request; 0.72 requests/s make it hot at 200 ms/s
+
+
+def view(name: str, queued: int = 0, healthy: bool = True) -> ReplicaView:
+    """``queued`` router requests of 1,000 uncached tokens each still prefilling (55 ms apiece)."""
+    return ReplicaView(
+        name=name,
+        healthy=healthy,
+        match=PrefixMatch(),
+        in_flight=queued,
+        in_flight_prefilling=queued,
+        in_flight_prefill_tokens=queued * 1000,
+    )
+
+
+def feed(tracker: HotPrefixTracker, key: str, rate: float, seconds: float, holders: set[str], start: float = 0.0) -> float:
+    """``rate`` requests/s for ``seconds``; returns the time of the last one."""
+    now = start
+    for i in range(int(rate * seconds)):
+        now = start + i / rate
+        tracker.record(key, PREFIX, holders, now)
+    return now
+
+
+BUSY_HOLDER = [view("a", queued=10), view("b"), view("c", queued=1)]  # a: 550 ms queue > 0 + 300 ms on b
+
+
+def test_steady_stream_reads_as_its_rate() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig(half_life_s=5))
+    now = feed(tracker, "p", rate=4, seconds=60, holders={"a"})
+    assert tracker.heat_ms_per_s("p", MODEL, now) == pytest.approx(4 * 280, rel=0.1)
+
+
+def test_hot_prefix_with_busy_holder_warms_the_idlest_non_holder() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig())
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    (warmup,) = tracker.plan(BUSY_HOLDER, MODEL, now)
+    assert (warmup.prefix_key, warmup.target, warmup.source, warmup.via) == ("p", "b", "a", "prefill")
+    assert warmup.prefix_tokens == PREFIX and warmup.saving_ms_per_s > 200
+    assert tracker.counts[("started", "hot-prefix")] == 1
+
+
+def test_cold_prefix_is_not_replicated() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig())
+    now = feed(tracker, "p", rate=0.5, seconds=60, holders={"a"})  # 140 ms/s < 200
+    assert tracker.plan(BUSY_HOLDER, MODEL, now) == []
+
+
+def test_hot_prefix_with_idle_enough_holder_is_not_replicated() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig())
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    # a's 5 queued requests (275 ms) cost less than recomputing 8,000 tokens on b (300 ms).
+    assert tracker.plan([view("a", queued=5), view("b")], MODEL, now) == []
+    # Unhealthy replicas are neither holders to relieve nor targets.
+    assert tracker.plan([view("a", queued=10), view("b", healthy=False)], MODEL, now) == []
+
+
+def test_transfer_when_a_connector_makes_it_cheaper() -> None:
+    nixl = CostModel(PrefillCost(), {}, TransferConfig(connector="nixl"), 320 * 1024)
+    tracker = HotPrefixTracker(ReplicationConfig())
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    (warmup,) = tracker.plan(BUSY_HOLDER, nixl, now)
+    # 8,000 tokens: 12 + 109 ms on the link + one 20 ms step, against 300 ms of prefill on the target.
+    assert (warmup.via, warmup.source) == ("transfer", "a")
+
+
+def test_one_warmup_in_flight_per_prefix_then_next_after_confirmation() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig())
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    fleet = [view("a", queued=10), view("b", queued=8), view("c")]
+    assert [w.target for w in tracker.plan(fleet, MODEL, now)] == ["c"]
+    assert tracker.plan(fleet, MODEL, now + 1) == []  # c's warm-up is in flight
+    tracker.record("p", PREFIX, {"a", "c"}, now + 2)  # c now holds it
+    busy_c = [view("a", queued=10), view("b"), view("c", queued=10)]
+    assert [w.target for w in tracker.plan(busy_c, MODEL, now + 2)] == ["b"]
+
+
+def test_unconfirmed_warmup_times_out_and_frees_its_slot() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig(warmup_timeout_s=5, half_life_s=60))
+    now = feed(tracker, "p", rate=5, seconds=20, holders={"a"})
+    assert [w.target for w in tracker.plan(BUSY_HOLDER, MODEL, now)] == ["b"]
+    assert tracker.plan(BUSY_HOLDER, MODEL, now + 4) == []
+    assert [w.target for w in tracker.plan(BUSY_HOLDER, MODEL, now + 6)] == ["b"]
+    assert tracker.counts[("failed", "timeout")] == 1
+    tracker.warmup_finished("p", "b", ok=False)
+    assert tracker.counts[("failed", "reported")] == 1
+    assert [w.target for w in tracker.plan(BUSY_HOLDER, MODEL, now + 7)] == ["b"]
+
+
+def test_per_prefix_replica_cap() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig(max_replicas_per_prefix=2))
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a", "c"})
+    fleet = [view("a", queued=10), view("b"), view("c", queued=10)]
+    assert tracker.plan(fleet, MODEL, now) == []
+    assert tracker.counts[("skipped", "cap")] == 1
+
+
+def test_global_budget_limits_warmups_and_refills() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig(warmup_budget_tokens_per_s=10_000))
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    feed(tracker, "q", rate=2, seconds=20, holders={"a"}, start=0.1)
+    now += 0.1
+    fleet = [view("a", queued=20), view("b"), view("c")]
+    first = tracker.plan(fleet, MODEL, now)
+    assert len(first) == 1  # 8,000 of 10,000 tokens spent, the other prefix waits
+    assert tracker.counts[("skipped", "budget")] == 1
+    assert tracker.plan(fleet, MODEL, now + 0.5) == []  # 7,000 available
+    assert tracker.counts[("skipped", "budget")] == 2
+    second = tracker.plan(fleet, MODEL, now + 0.7)  # 9,000 available
+    assert len(second) == 1 and second[0].prefix_key != first[0].prefix_key
+
+
+def test_retires_warmed_replicas_when_the_prefix_cools() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig(half_life_s=10))
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    (warmup,) = tracker.plan(BUSY_HOLDER, MODEL, now)
+    tracker.record("p", PREFIX, {"a", "b"}, now + 1)
+    assert tracker.retire(MODEL, now + 2) == []  # still hot
+    (retired,) = tracker.retire(MODEL, now + 30)  # three half-lives later: ~60 ms/s < 100
+    assert (retired.prefix_key, retired.replicas, retired.reason) == ("p", frozenset({"b"}), "cooled")
+    assert tracker.counts[("retired", "cooled")] == 1
+    assert tracker.retire(MODEL, now + 31) == []
+    tracker.retire(MODEL, now + 200)  # long forgotten
+    assert len(tracker) == 0
+
+
+def test_disabled_replication_plans_nothing() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig(enabled=False))
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    assert tracker.plan(BUSY_HOLDER, MODEL, now) == [] and len(tracker) == 0
