@@ -6,6 +6,7 @@ the policy file lists only replicas 0 and 1, so replica 2 is there for the admin
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -176,3 +177,28 @@ def test_unhealthy_replica_is_skipped_and_comes_back(sim: Sim, gateway: tuple[Ga
     wait_until(lambda: replicas(gw)[sick]["routable"], what="replica back")
     assert replicas(gw)[sick]["generation"] == generation + 1
     wait_until(lambda: sick in served_by(gw, 2), what="replica serving again")
+
+
+def test_scraped_engine_load_is_visible(gateway: tuple[Gateway, str]) -> None:
+    gw, _ = gateway
+    wait_until(lambda: all(r["scraped"] is not None for r in replicas(gw).values()), what="scrapes")
+    for r in replicas(gw).values():
+        assert r["scraped"]["waiting"] == 0 and r["scraped"]["running"] == 0
+        assert r["scraped"]["block_size"] is not None and r["models"] == ["kvgate-sim"]
+
+
+def test_reloaded_file_adds_and_removes_replicas_and_sighup_does_not_kill(sim: Sim, gateway: tuple[Gateway, str]) -> None:
+    gw, good = gateway
+    ok_before = metric(gw, "kvgate_config_reloads_ok")
+    data = yaml.safe_load(good)
+    data["replicas"].append({"name": "from-file", "url": sim.url(2)})
+    try:
+        gw.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        gw.process.signal(signal.SIGHUP)
+        wait_until(lambda: "from-file" in replicas(gw), what="replica from the reloaded file")
+        assert metric(gw, "kvgate_config_reloads_ok") >= ok_before + 1
+        assert gw.process.alive()
+    finally:
+        gw.config_path.write_text(good)
+        gw.process.signal(signal.SIGHUP)
+    wait_until(lambda: "from-file" not in replicas(gw), what="replica gone with the restored file")

@@ -15,6 +15,7 @@ from aiohttp import web
 from cache_index.match import PrefixMatch
 from policies.config import KvgateConfig, ReplicaConfig, parse_config
 from router.fleet import Fleet, FleetListener, Replica
+from router.health import HealthState
 from router.scrape import ScrapedLoad
 
 VLLM_METRICS = """\
@@ -260,3 +261,13 @@ async def test_added_replica_gets_probed(session: aiohttp.ClientSession, engine:
         assert r.scraped is not None and r.scraped.kv_usage == 0.25
     finally:
         await fleet.stop()
+
+
+def test_health_state_flips_only_after_streaks() -> None:
+    cfg = parse_config("health: {failures_to_down: 3, successes_to_up: 2}\n").health
+    state = HealthState()
+    assert state.observe(True, cfg) == "up"  # the first probe decides at once
+    assert [state.observe(ok, cfg) for ok in (False, False, True, False, False)] == [None, None, None, None, None]
+    assert state.observe(False, cfg) == "down"
+    assert [state.observe(ok, cfg) for ok in (True, False, True)] == [None, None, None]
+    assert state.observe(True, cfg) == "up"
