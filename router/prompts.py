@@ -66,7 +66,8 @@ class PromptError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class TokenizedPrompt:
-    token_ids: list[int]
+    token_ids: array[int]
+    """Typecode ``"I"`` (uint32), the layout block hashing packs anyway: no per-token Python ints to build."""
     approximate: bool
     source: Source
     cpu_ms: float
@@ -87,7 +88,7 @@ class TokenizerStats:
 @dataclass(frozen=True, slots=True)
 class _CompletionPrompt:
     text: str | None
-    ids: list[int] | None
+    ids: array[int] | None
     add_special_tokens: bool
     prompt_count: int
 
@@ -221,7 +222,7 @@ class PromptTokenizer:
         ids, worker_cpu = await loop.run_in_executor(self._pool, _approximate, prompt)
         return self._done(ids, "approximate", time.thread_time() - started + worker_cpu, count)
 
-    def _done(self, ids: list[int], source: Source, cpu_s: float, count: int) -> TokenizedPrompt:
+    def _done(self, ids: array[int], source: Source, cpu_s: float, count: int) -> TokenizedPrompt:
         self.stats.by_source[source] += 1
         self.stats.cpu_seconds += cpu_s
         return TokenizedPrompt(ids, source == "approximate", source, cpu_s * 1000.0, count)
@@ -233,7 +234,7 @@ class PromptTokenizer:
         has_template = prompt.chat_template is not None or local.tokenizer.chat_template is not None
         return has_template and not prompt.has_media
 
-    def _encode_local(self, local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt) -> tuple[list[int], float]:
+    def _encode_local(self, local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt) -> tuple[array[int], float]:
         """Runs on a worker thread: render, cut into pieces, take cached pieces, encode the rest."""
         started = time.thread_time()
         if isinstance(prompt, _ChatPrompt):
@@ -254,10 +255,9 @@ class PromptTokenizer:
                 joined.append(piece)
             else:
                 joined.extend(found[(local.name, piece)])  # type: ignore[arg-type]
-        ids = joined.tolist()
         if prompt.add_special_tokens:
-            ids = local.tokenizer.with_bos(ids)
-        return ids, time.thread_time() - started
+            joined = local.tokenizer.with_bos(joined)
+        return joined, time.thread_time() - started
 
     def _render(self, local: _LocalModel, prompt: _ChatPrompt) -> str:
         template = local.tokenizer.chat_template
@@ -294,15 +294,15 @@ class PromptTokenizer:
                 self._request_templates.popitem(last=False)
         return template
 
-    async def _ask_engine(self, model: str, prompt: _CompletionPrompt | _ChatPrompt) -> list[int] | None:
+    async def _ask_engine(self, model: str, prompt: _CompletionPrompt | _ChatPrompt) -> array[int] | None:
         body = _engine_body(model, prompt)
         try:
             assert self._engine_tokenize is not None
             answer = await asyncio.wait_for(self._engine_tokenize(body), self._engine_timeout_s)
             tokens = answer.get("tokens") if isinstance(answer, dict) else None
-            if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+            if not isinstance(tokens, list) or not all(_is_token_id(t) for t in tokens):
                 raise ValueError("/tokenize answer has no list of token ids")
-            return tokens
+            return array("I", tokens)
         except Exception:  # any failure of the injected transport or a bad answer: fall back to the approximation
             self.stats.engine_errors += 1
             return None
@@ -321,13 +321,13 @@ def parse_completion(body: dict[str, Any]) -> _CompletionPrompt:
     if not isinstance(prompt, list) or not prompt:
         raise PromptError("'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt")
     if all(_is_token_id(t) for t in prompt):
-        return _CompletionPrompt(None, list(prompt), add_special_tokens, 1)
+        return _CompletionPrompt(None, array("I", prompt), add_special_tokens, 1)
     if all(isinstance(p, str) for p in prompt):
         return _CompletionPrompt(prompt[0], None, add_special_tokens, len(prompt))
     if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
-        return _CompletionPrompt(None, list(prompt[0]), add_special_tokens, len(prompt))
+        return _CompletionPrompt(None, array("I", prompt[0]), add_special_tokens, len(prompt))
     raise PromptError(
-        "'prompt' must be a string, a list of strings, a list of token ids (non-negative integers), "
+        "'prompt' must be a string, a list of strings, a list of token ids (integers in [0, 2**32)), "
         "or a list of such lists",
         "prompt",
     )
@@ -405,7 +405,7 @@ def _optional(body: dict[str, Any], name: str, kind: type) -> Any:
 
 
 def _is_token_id(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value <= 0xFFFFFFFF
 
 
 def _engine_body(model: str, prompt: _CompletionPrompt | _ChatPrompt) -> dict[str, Any]:
@@ -427,7 +427,7 @@ def _engine_body(model: str, prompt: _CompletionPrompt | _ChatPrompt) -> dict[st
     return body
 
 
-def _approximate(prompt: _CompletionPrompt | _ChatPrompt) -> tuple[list[int], float]:
+def _approximate(prompt: _CompletionPrompt | _ChatPrompt) -> tuple[array[int], float]:
     """Pseudo token ids, one per 4 bytes of UTF-8 text (a CRC of those bytes): stable across processes and
     restarts, and prompts sharing a text prefix share an id prefix, so prefix affinity still works roughly."""
     started = time.thread_time()
@@ -439,7 +439,7 @@ def _approximate(prompt: _CompletionPrompt | _ChatPrompt) -> tuple[list[int], fl
         text = prompt.text or ""
     data = memoryview(text.encode("utf-8"))
     step = APPROXIMATE_BYTES_PER_TOKEN
-    ids = [zlib.crc32(data[i : i + step]) & 0x7FFFFFFF for i in range(0, len(data), step)]
+    ids = array("I", [zlib.crc32(data[i : i + step]) & 0x7FFFFFFF for i in range(0, len(data), step)])
     return ids, time.thread_time() - started
 
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, MutableSequence, Sequence, TypeVar
 
 import jinja2
 import jinja2.ext
@@ -23,6 +23,8 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+Ids = TypeVar("Ids", bound=MutableSequence[int])
 
 ContentFormat = Literal["string", "openai"]
 """How a template expects ``message.content``: one string (text parts joined), or the list of OpenAI parts."""
@@ -240,7 +242,7 @@ class ModelTokenizer:
         ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self.with_bos(ids) if add_special_tokens else ids
 
-    def with_bos(self, ids: list[int]) -> list[int]:
+    def with_bos(self, ids: Ids) -> Ids:
         """Prepend the BOS token when the model's tokenizer adds one and the text did not already start with it."""
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids.insert(0, self.bos_id)
@@ -321,9 +323,15 @@ BYTE_LEVEL_SPLIT_PATTERNS = frozenset(
     }
 )
 """Pre-tokenizer regexes (used with a regex-less ByteLevel) under which a letter or digit followed by a newline always
-ends a pre-token. GPT-2's ByteLevel regex has the same property."""
+ends a pre-token (punctuation does not: it absorbs the newlines that follow)."""
 
-_CHUNK_END = re.compile(r"[A-Za-z0-9](?=\n)")
+ASCII_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+ASCII_GRAPHIC = frozenset(chr(c) for c in range(0x21, 0x7F))
+"""GPT-2's ByteLevel regex ends a pre-token at any non-space character followed by whitespace; ASCII keeps the test
+free of Unicode whitespace-class differences between Python and the tokenizer's regex engine."""
+
+CHUNK_SEARCH_LIMIT = 64
+"""Newlines examined for a cut before skipping ``chunk_chars`` ahead, so newline-dense text stays cheap to cut."""
 
 
 class PromptSplitter:
@@ -348,11 +356,17 @@ class PromptSplitter:
         added = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
         self._added_ids = added
         self._added_re = _added_token_pattern(tokenizer, added)
-        self.splits_long_text = False
+        self._chunk_end_chars: frozenset[str] = frozenset()
         self.splits_at_added_tokens = self._added_re is not None and self._check(tokenizer, _ADDED_TOKEN_SAMPLES, added)
         if not self.splits_at_added_tokens:
             self._added_re = None
-        self.splits_long_text = _pre_tokenizer_ends_at_newlines(tokenizer) and self._check_chunks(tokenizer)
+        self._chunk_end_chars = _chunk_end_chars(tokenizer)
+        if self._chunk_end_chars and not self._check_chunks(tokenizer):
+            self._chunk_end_chars = frozenset()
+
+    @property
+    def splits_long_text(self) -> bool:
+        return bool(self._chunk_end_chars)
 
     def pieces(self, text: str) -> list[Piece]:
         if self._added_re is None:
@@ -366,16 +380,22 @@ class PromptSplitter:
         return pieces
 
     def _chunks(self, text: str) -> list[Piece]:
-        if not self.splits_long_text or len(text) < 2 * self.chunk_chars:
+        """Cuts before a newline that follows an eligible character, once ``chunk_chars`` have passed since the last
+        cut; the tail keeps at least ``chunk_chars``. Found with ``str.find`` (memchr), not a regex scan."""
+        size = self.chunk_chars
+        if not self._chunk_end_chars or len(text) < 2 * size:
             return [text]
+        end_chars = self._chunk_end_chars
         chunks: list[Piece] = []
-        start = 0
-        while len(text) - start >= 2 * self.chunk_chars:
-            match = _CHUNK_END.search(text, start + self.chunk_chars - 1)
-            if match is None:
-                break
-            chunks.append(text[start : match.end()])
-            start = match.end()
+        start, pos, stop, examined = 0, size, len(text) - size, 0
+        while (cut := text.find("\n", pos, stop)) >= 0:
+            if text[cut - 1] in end_chars:
+                chunks.append(text[start:cut])
+                start, pos, examined = cut, cut + size, 0
+            elif (examined := examined + 1) < CHUNK_SEARCH_LIMIT:
+                pos = cut + 1
+            else:
+                pos, examined = cut + size, 0
         chunks.append(text[start:])
         return chunks
 
@@ -417,19 +437,21 @@ def _added_token_pattern(tokenizer: Tokenizer, added: dict[str, int]) -> re.Patt
     return re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
 
 
-def _pre_tokenizer_ends_at_newlines(tokenizer: Tokenizer) -> bool:
+def _chunk_end_chars(tokenizer: Tokenizer) -> frozenset[str]:
+    """Characters after which a newline always starts a new pre-token for this tokenizer; empty when unknown."""
     spec = json.loads(tokenizer.to_str())
     model = spec.get("model") or {}
     if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
-        return False
+        return frozenset()
     pre = spec.get("pre_tokenizer") or {}
     if pre.get("type") == "ByteLevel":
-        return bool(pre.get("use_regex", True)) and not pre.get("add_prefix_space", False)
+        gpt2_regex = bool(pre.get("use_regex", True)) and not pre.get("add_prefix_space", False)
+        return ASCII_GRAPHIC if gpt2_regex else frozenset()
     steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
     if not steps or len(steps) != 2:
-        return False
+        return frozenset()
     split, byte_level = steps
-    return (
+    known_split = (
         split.get("type") == "Split"
         and split.get("pattern", {}).get("Regex") in BYTE_LEVEL_SPLIT_PATTERNS
         and split.get("behavior") == "Isolated"
@@ -438,6 +460,7 @@ def _pre_tokenizer_ends_at_newlines(tokenizer: Tokenizer) -> bool:
         and not byte_level.get("use_regex", True)
         and not byte_level.get("add_prefix_space", False)
     )
+    return ASCII_ALNUM if known_split else frozenset()
 
 
 _ADDED_TOKEN_SAMPLES = (
@@ -458,5 +481,5 @@ def _random_texts(added: list[str], count: int, length: int) -> list[str]:
     rng = random.Random(20261129)
     atoms = [" ", "  ", "\n", "\n\n", "\t", "\r\n", "a", "Z", "word", " the", "'s", "'ll", "'", "1", "2024", "3.14",
              ".", ",", "!?", "...", "-", "_", "(", ")", "{", "}", "<", "|", ">", "é", "ß", "中文", "😀", "\u00a0",
-             "\u3000", "x\n", "9\n", "a.\n", "\n "] + added
+             "\u3000", "x\n", "9\n", "a.\n", ";\n", ")\n", " \n", "\u00a0\n", "\n "] + added
     return ["".join(rng.choice(atoms) for _ in range(rng.randint(1, length))) for _ in range(count)]

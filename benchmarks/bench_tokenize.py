@@ -1,0 +1,108 @@
+"""Prompt tokenization cost: 2,000- and 40,000-token chat prompts cold and warm, and a warm 100k-character growing chat.
+
+Prints CPU ms (process-wide ``time.process_time``, so worker threads count) and wall ms per prompt, the median of
+several runs, for kvgate's cached path (:class:`router.prompts.PromptTokenizer`) side by side with a plain full encode
+(:meth:`router.tokenization.ModelTokenizer.encode_chat`). Cold prompts use text never seen before; warm prompts were
+tokenized once already; the growing chat adds one message per turn and is measured once it passes 100k characters.
+
+Run: ``.venv/bin/python benchmarks/bench_tokenize.py``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from typing import Any, Awaitable, Callable
+
+from loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
+from policies.config import ModelConfig
+from router.prompts import PromptTokenizer
+from router.tokenization import ModelTokenizer
+
+WORDS = ("the of and to in is was for on that with as by at from it an be this which or are not have had but were "
+         "cache prefix replica router token block engine request latency model prompt document section table query "
+         "2024 3.14 42 (see above) e.g. i.e. data-driven GPU/CPU").split()
+RUNS = 7
+
+
+def paragraph_text(rng: random.Random, tokens: int) -> str:
+    """English-like text of about ``tokens`` tokens: sentences, paragraphs, some numbers and punctuation."""
+    parts = []
+    for i in range(int(tokens * 0.43)):  # this 8192-token vocabulary spends ~2.3 tokens per word here
+        parts.append(rng.choice(WORDS))
+        if i % 17 == 16:
+            parts.append(rng.choice([".\n\n", ".", ",", ":\n", ";"]))
+    return " ".join(parts)
+
+
+def chat(rng: random.Random, tokens: int, turns: int = 6) -> list[dict[str, Any]]:
+    """A RAG-style chat: a system prompt, a long document in the first user turn, then short turns."""
+    messages = [{"role": "system", "content": paragraph_text(rng, 60)},
+                {"role": "user", "content": paragraph_text(rng, tokens - 60 - 50 * (turns - 2))}]
+    for turn in range(turns - 2):
+        messages.append({"role": "assistant" if turn % 2 == 0 else "user", "content": paragraph_text(rng, 50)})
+    return messages
+
+
+async def measure(call: Callable[[], Awaitable[Any]]) -> tuple[float, float]:
+    cpu, wall = time.process_time(), time.perf_counter()
+    await call()
+    return (time.process_time() - cpu) * 1000, (time.perf_counter() - wall) * 1000
+
+
+def row(label: str, samples: list[tuple[float, float]]) -> str:
+    cpu = statistics.median(s[0] for s in samples)
+    wall = statistics.median(s[1] for s in samples)
+    return f"{label:<44} cpu {cpu:8.2f} ms   wall {wall:8.2f} ms"
+
+
+async def main() -> None:
+    prompts = PromptTokenizer([ModelConfig(name=DEFAULT_MODEL, tokenizer=str(TOKENIZER_DIR))])
+    reference = ModelTokenizer.from_path(TOKENIZER_DIR)
+    loop = asyncio.get_running_loop()
+    rng = random.Random(7)
+    try:
+        for tokens in (2_000, 40_000):
+            fresh = [chat(rng, tokens) for _ in range(RUNS)]
+            n = len(reference.encode_chat(fresh[0]))
+            chars = len(reference.render_chat(fresh[0]))
+            print(f"-- chat prompt of {n} tokens, {chars} characters")
+            full = [await measure(lambda m=m: loop.run_in_executor(None, reference.encode_chat, m)) for m in fresh]
+            print(row("full encode (no cache)", full))
+            cold = [await measure(lambda m=m: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": m})) for m in fresh]
+            print(row("kvgate cold", cold))
+            warm = [await measure(lambda m=m: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": m})) for m in fresh]
+            print(row("kvgate warm (same chat again)", warm))
+            grown = [m + [{"role": "user", "content": paragraph_text(rng, 40)}] for m in fresh]
+            grew = [await measure(lambda m=m: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": m})) for m in grown]
+            print(row("kvgate warm + one new message", grew))
+            for m in grown[:2]:
+                assert (await prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": m})).token_ids.tolist() == reference.encode_chat(m)
+
+        print("-- growing chat, measured past 100,000 characters")
+        messages: list[dict[str, Any]] = [{"role": "system", "content": paragraph_text(rng, 200)}]
+        samples = []
+        full = []
+        while True:
+            messages.append({"role": "user" if len(messages) % 2 else "assistant", "content": paragraph_text(rng, 400)})
+            body = {"messages": list(messages)}
+            sample = await measure(lambda: prompts.tokenize(DEFAULT_MODEL, "chat", body))
+            if len(reference.render_chat(messages)) >= 100_000:
+                samples.append(sample)
+                full.append(await measure(lambda: loop.run_in_executor(None, reference.encode_chat, messages)))
+                if len(samples) == RUNS:
+                    break
+        chars = len(reference.render_chat(messages))
+        print(f"   {len(messages)} messages, {chars} characters, {len(reference.encode_chat(messages))} tokens")
+        print(row("full encode (no cache)", full))
+        print(row("kvgate warm growing chat (one new message)", samples))
+        print(f"cache: {len(prompts.cache)} pieces, {prompts.cache.bytes / 1e6:.1f} MB, "
+              f"{prompts.cache.hits} hits, {prompts.cache.misses} misses")
+    finally:
+        prompts.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
