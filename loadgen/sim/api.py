@@ -161,7 +161,7 @@ class ReplicaApi:
 
     async def sim_fault(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await _json_body(request)
-        result, after = faults.apply(self.replica, body)
+        result, after = await faults.apply(self.replica, body)
         if after is None:
             return json_response(result)
         # The answer goes out before the fault closes this very listener.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import math
 import time
 import uuid
@@ -20,9 +21,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from cache_index.vllm_wire import AllBlocksCleared
+
 from .block_hash import BlockKey
 from .kv_cache import Allocation, BlockPool
 from .params import SimParams
+
+log = logging.getLogger(__name__)
 
 
 class State(str, enum.Enum):
@@ -228,6 +233,16 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------------------------
     async def run(self) -> None:
+        """The scheduler loop. A bug in a step must not kill the replica: it is logged and the engine restarts."""
+        while True:
+            try:
+                await self._loop()
+            except Exception:
+                log.exception("engine step failed; restarting the engine")
+                self.restart()
+                self.publish([AllBlocksCleared()])  # subscribers must forget what this engine held
+
+    async def _loop(self) -> None:
         while True:
             if self._stall_deadline is not None:
                 await self._wait_unstalled()
@@ -342,8 +357,8 @@ class Engine:
         if private > pool.available() - evictable_hits:
             return False
         pool.pin(req.alloc, gpu_keys)
+        pool.touch_cpu(cpu_keys)  # before allocating: its evictions demote blocks into the CPU tier
         pool.allocate(req.alloc, private)
-        pool.touch_cpu(cpu_keys)
         hit_blocks = len(gpu_keys) + len(transfer_keys) + len(cpu_keys)
         req.cached_tokens = (len(gpu_keys) + len(cpu_keys)) * bs
         req.transferred_tokens = len(transfer_keys) * bs

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 After = Callable[[], Awaitable[None]]
 
 
-def apply(replica: "Replica", body: dict[str, Any]) -> tuple[dict[str, Any], After | None]:
-    """Apply a fault now; returns the answer and, for stop/start, the coroutine to run once the answer is sent."""
+async def apply(replica: "Replica", body: dict[str, Any]) -> tuple[dict[str, Any], After | None]:
+    """Apply a fault; returns the answer and, for stop, the coroutine to run once the answer is sent (stopping
+    may close the very listener the answer goes out on)."""
     target = _target(replica, body.get("replica"))
     action = body.get("action")
     after: After | None = None
@@ -55,7 +56,7 @@ def apply(replica: "Replica", body: dict[str, Any]) -> tuple[dict[str, Any], Aft
     elif action == "stop":
         after = target.stop_http
     elif action == "start":
-        after = target.start_http
+        await target.start_http()
     else:
         raise ApiError(f"unknown fault action {action!r}", "action")
     return {"replica": target.name, "action": action, "ok": True}, after

@@ -1,0 +1,251 @@
+"""A real ``kvgate sim`` process driven over HTTP: the official openai client, vLLM's bodies and errors, the prefix
+cache seen through usage and /sim/requests, client disconnects, and the HTTP-level faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from policies.config import load_config
+from tests.support import Sim, start_sim
+
+pytestmark = pytest.mark.integration
+
+MODEL = "kvgate-sim"
+DOC = " ".join(f"word{i} of the long shared document" for i in range(400))  # ~3,000 tokens
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
+    s = start_sim(tmp_path_factory.mktemp("sim-api"), 3, "--time-scale", "0.01")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(sim: Sim) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=sim.url(0) + "/v1", api_key="unused", timeout=10.0, max_retries=0)
+    yield c
+    c.close()
+
+
+def record(sim: Sim, replica: int, request_id: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The /sim/requests entry of the request sent with ``X-Request-Id: request_id``, once it has ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        entries = httpx.get(sim.url(replica) + "/sim/requests", params={"limit": 500}, timeout=2).json()["requests"]
+        found = [e for e in entries if e["headers"]["x-request-id"] == request_id]
+        if found and found[-1]["status"] != "running":
+            return found[-1]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no finished record for {request_id}: {found}")
+        time.sleep(0.02)
+
+
+def fault(sim: Sim, via: int, **body: Any) -> None:
+    r = httpx.post(sim.url(via) + "/sim/fault", json=body, timeout=5)
+    assert r.status_code == 200, r.text
+
+
+def test_write_config_loads(sim: Sim) -> None:
+    config = load_config(sim.config_path)
+    assert [r.name for r in config.replicas] == ["sim-0", "sim-1", "sim-2"]
+    assert config.replicas[1].url == sim.url(1) and config.replicas[1].kv_events == sim.events_endpoint(1)
+    assert config.replicas[1].kv_replay == sim.replay_endpoint(1)
+    assert config.models[0].name == MODEL and Path(config.models[0].tokenizer or "").is_absolute()
+    assert config.transfer.connector == "nixl"
+
+
+def test_openai_completions(client: openai.OpenAI) -> None:
+    c = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
+    assert c.choices[0].finish_reason == "length" and c.choices[0].text
+    assert c.usage is not None and c.usage.completion_tokens == 5
+    assert c.usage.prompt_tokens_details is not None and c.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
+    assert again.choices[0].text == c.choices[0].text  # deterministic
+    pieces = list(client.completions.create(model=MODEL, prompt=[1000, 1001, 1002], max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in pieces if p.choices)
+    assert pieces[-1].choices == [] and pieces[-1].usage is not None and pieces[-1].usage.prompt_tokens == 3
+
+
+def test_openai_chat(client: openai.OpenAI, sim: Sim) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)  # type: ignore[arg-type]
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.usage is not None and r.usage.completion_tokens == 6
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3,  # type: ignore
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    tokenized = httpx.post(sim.url(0) + "/tokenize", json={"model": MODEL, "messages": messages}).json()
+    assert chunks[-1].usage.prompt_tokens == tokenized["count"] == len(tokenized["tokens"])
+
+
+def test_repeated_prompt_is_cached_and_faster(client: openai.OpenAI, sim: Sim) -> None:
+    prompt = f"{uuid.uuid4()} {DOC}"
+    ids = []
+    for _ in range(2):
+        rid = uuid.uuid4().hex
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_headers={"X-Request-Id": rid})
+        ids.append(rid)
+        last = r
+    cached = last.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached > 2500 and cached % 16 == 0
+    first, second = record(sim, 0, ids[0]), record(sim, 0, ids[1])
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] == cached
+    assert second["ttft_ms"] < first["ttft_ms"] - 50  # ~3,000 tokens x 0.035 ms no longer prefilled
+    metrics = httpx.get(sim.url(0) + "/metrics").text
+    hits = next(line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+    assert float(hits.rsplit(" ", 1)[1]) >= cached
+
+
+def test_cache_salt_separates_prefixes(client: openai.OpenAI) -> None:
+    prompt = f"{uuid.uuid4()} {DOC}"
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-a"})
+    other = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-b"})
+    same = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "tenant-a"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert same.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        ({"prompt": "hi"}, 400, "model"),
+        ({"model": "nope", "prompt": "hi"}, 404, "model"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": []}, 400, "prompt"),
+        ({"model": MODEL, "prompt": 42}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [1, "a"]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+        ({"model": MODEL, "prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+        ({"model": MODEL, "prompt": "hi", "cache_salt": "a/b"}, 400, "cache_salt"),
+        ({"model": MODEL, "prompt": "hi", "cache_salt": "x" * 129}, 400, "cache_salt"),
+        ({"model": MODEL, "prompt": "hi", "cache_salt": 5}, 400, "cache_salt"),
+        ({"model": MODEL, "prompt": "hi", "kv_transfer_params": [1]}, 400, "kv_transfer_params"),
+        ({"model": MODEL, "prompt": [5] * 70_000}, 400, "input_tokens"),
+        ([1, 2], 400, None),
+    ],
+)
+def test_bad_completion_requests(sim: Sim, body: Any, status: int, param: str | None) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(sim.url(1) + "/v1/completions", timeout=5, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["param"] == param and error["message"]
+    assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": MODEL},
+        {"model": MODEL, "messages": []},
+        {"model": MODEL, "messages": ["hi"]},
+        {"model": MODEL, "messages": [{"role": "user", "content": 3}]},
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    ],
+)
+def test_bad_chat_requests(sim: Sim, body: dict[str, Any]) -> None:
+    r = httpx.post(sim.url(1) + "/v1/chat/completions", json=body, timeout=5)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_openai_client_sees_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", extra_body={"cache_salt": "a@b"})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="hi")
+
+
+def test_request_id_echo_and_surface(sim: Sim) -> None:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1}
+    r = httpx.post(sim.url(1) + "/v1/completions", json=body, headers={"X-Request-Id": "abc-123", "X-Session-ID": "s1"})
+    assert r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+    assert record(sim, 1, "abc-123")["headers"]["x-session-id"] == "s1"
+    assert httpx.post(sim.url(1) + "/v1/completions", json=body).headers["x-request-id"]
+    models = httpx.get(sim.url(1) + "/v1/models").json()
+    card = models["data"][0]
+    assert models["object"] == "list" and card["id"] == MODEL and card["owned_by"] == "vllm"
+    assert card["parent"] is None and card["root"] and card["max_model_len"] == 4096 * 16
+    tok = httpx.post(sim.url(1) + "/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
+    assert set(tok) == {"count", "max_model_len", "tokens", "token_strs"} and tok["count"] == len(tok["tokens"]) > 0
+    assert httpx.get(sim.url(1) + "/health").status_code == 200
+    text = httpx.get(sim.url(1) + "/metrics").text
+    for name in ("vllm:num_requests_running{", "vllm:num_requests_waiting{", "vllm:kv_cache_usage_perc{",
+                 "vllm:prefix_cache_queries_total{", "vllm:prefix_cache_hits_total{",
+                 "vllm:external_prefix_cache_hits_total{"):
+        assert name in text and 'model_name="kvgate-sim"' in text and 'engine="0"' in text
+    assert 'block_size="16"' in text and 'num_gpu_blocks="4096"' in text and 'prefix_caching_hash_algo="sha256"' in text
+    assert httpx.get(sim.url(1) + "/nope").status_code == 404
+
+
+async def test_client_disconnect_aborts(sim: Sim) -> None:
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 60_000, "stream": True}
+    async with httpx.AsyncClient(timeout=5) as c:
+        async with c.stream("POST", sim.url(2) + "/v1/completions", json=body,
+                            headers={"X-Request-Id": "gone-stream"}) as r:
+            async for _ in r.aiter_bytes():
+                break  # first chunk received: hang up mid-stream
+        task = asyncio.create_task(c.post(sim.url(2) + "/v1/completions", headers={"X-Request-Id": "gone-plain"},
+                                          json={**body, "stream": False}))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert record(sim, 2, "gone-stream")["status"] == "aborted"
+    assert record(sim, 2, "gone-plain")["status"] == "aborted"
+    stats = httpx.get(sim.url(2) + "/sim/stats").json()
+    assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0
+
+
+def test_health_stall_stop_start(sim: Sim) -> None:
+    fault(sim, 2, action="unhealthy")
+    assert httpx.get(sim.url(2) + "/health").status_code == 503
+    fault(sim, 2, action="healthy")
+    assert httpx.get(sim.url(2) + "/health").status_code == 200
+    fault(sim, 2, action="stall")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(sim.url(2) + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=0.5)
+    fault(sim, 2, action="unstall")
+    ok = httpx.post(sim.url(2) + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=5)
+    assert ok.status_code == 200
+    fault(sim, 2, action="stop")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(sim.url(2) + "/health", timeout=2)
+    fault(sim, 0, action="start", replica=2)  # sim-wide: any replica's port reaches the others
+    assert httpx.get(sim.url(2) + "/health", timeout=2).status_code == 200
+    bad = httpx.post(sim.url(2) + "/sim/fault", json={"action": "explode"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "action"
+
+
+def test_restart_cuts_inflight_and_forgets_cache(sim: Sim, client: openai.OpenAI) -> None:
+    prompt = f"{uuid.uuid4()} {DOC}"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    httpx.post(sim.url(2) + "/v1/completions", json=body, timeout=5)
+    fault(sim, 2, action="stall")
+    with httpx.Client(timeout=5) as c:
+        with c.stream("POST", sim.url(2) + "/v1/completions", json={**body, "stream": True, "max_tokens": 5},
+                      headers={"X-Request-Id": "cut-by-restart"}) as r:
+            fault(sim, 2, action="restart")
+            with pytest.raises(httpx.HTTPError):
+                for _ in r.iter_bytes():
+                    pass
+    fault(sim, 2, action="unstall")
+    assert record(sim, 2, "cut-by-restart")["status"] == "aborted"
+    again = httpx.post(sim.url(2) + "/v1/completions", json=body, timeout=5).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -1,0 +1,103 @@
+"""The block pool: prefix reuse of full blocks, pinning, LRU eviction (tail first), CPU demotion, reset — and the
+vLLM events each of those emits."""
+
+from __future__ import annotations
+
+from cache_index.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
+from loadgen.sim.block_hash import block_chain
+from loadgen.sim.kv_cache import Allocation, BlockPool
+
+
+def fill(pool: BlockPool, tokens: list[int], salt: str | None = None) -> Allocation:
+    """A request that computes all full blocks of ``tokens`` and finishes."""
+    chain = block_chain(tokens, pool.block_size, salt)
+    alloc = Allocation()
+    assert pool.allocate(alloc, len(chain))
+    pool.commit(alloc, chain)
+    return alloc
+
+
+def test_commit_announces_one_event_per_run() -> None:
+    pool = BlockPool(8, 4)
+    alloc = fill(pool, list(range(12)))
+    (event,) = pool.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.token_ids == list(range(12))
+    assert len(event.block_hashes) == 3 and event.parent_block_hash is None
+    assert event.medium == "GPU" and event.block_size == 4 and event.extra_keys is None
+    assert pool.usage() == 3 / 8
+    pool.release(alloc)
+    assert pool.usage() == 0.0  # cached but evictable counts as free, as in vLLM
+    assert pool.match(block_chain(list(range(12)), 4), 3).gpu_blocks == 3
+
+
+def test_salted_event_has_one_extra_key_per_block() -> None:
+    pool = BlockPool(8, 4)
+    fill(pool, list(range(8)), "tenant-a")
+    (event,) = pool.take_events()
+    assert event.extra_keys == [("tenant-a",), None]
+
+
+def test_lru_eviction_spares_pinned_blocks_and_evicts_tail_first() -> None:
+    pool = BlockPool(4, 4)
+    old = fill(pool, list(range(8)))  # 2 blocks
+    pinned = fill(pool, list(range(100, 108)))  # 2 blocks, still held
+    pool.release(old)
+    pool.take_events()
+    chain_old = block_chain(list(range(8)), 4)
+    alloc = Allocation()
+    assert pool.allocate(alloc, 1)
+    (removed,) = pool.take_events()
+    assert isinstance(removed, BlockRemoved) and removed.medium == "GPU"
+    assert removed.block_hashes == [chain_old[1].event_hash]  # the request's last block goes first
+    assert not pool.allocate(alloc, 2)  # only one evictable block left; pinned ones never go
+    assert pool.match(block_chain(list(range(100, 108)), 4), 2).gpu_blocks == 2
+    pool.release(pinned)
+
+
+def test_hit_removes_block_from_eviction_queue() -> None:
+    pool = BlockPool(2, 4)
+    pool.release(fill(pool, list(range(8))))
+    chain = block_chain(list(range(8)), 4)
+    alloc = Allocation()
+    pool.pin(alloc, chain[:1])
+    assert pool.available() == 1
+    pool.release(alloc)
+    assert pool.available() == 2
+
+
+def test_eviction_demotes_to_cpu_and_cpu_evicts_lru() -> None:
+    pool = BlockPool(1, 4, cpu_blocks=1)
+    pool.release(fill(pool, [1, 2, 3, 4]))
+    pool.release(fill(pool, [5, 6, 7, 8]))
+    events = pool.take_events()
+    kinds = [(type(e).__name__, e.medium) for e in events]
+    assert kinds == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"), ("BlockStored", "GPU")]
+    assert events[2].token_ids == [1, 2, 3, 4]
+    assert pool.match(block_chain([1, 2, 3, 4, 0], 4), 1).cpu_blocks == 1
+    pool.allocate(Allocation(), 1)  # evicts [5..8] to CPU, pushing [1..4] out of the CPU tier
+    events = pool.take_events()
+    assert [(type(e).__name__, e.medium) for e in events] == [
+        ("BlockRemoved", "GPU"), ("BlockRemoved", "CPU"), ("BlockStored", "CPU")]
+
+
+def test_reset_clears_everything_with_one_event() -> None:
+    pool = BlockPool(4, 4)
+    held = fill(pool, list(range(8)))
+    pool.take_events()
+    pool.reset()
+    assert [type(e) for e in pool.take_events()] == [AllBlocksCleared]
+    assert pool.match(block_chain(list(range(8)), 4), 2).gpu_blocks == 0
+    pool.release(held)  # blocks forgotten while pinned come back as free slots
+    assert pool.free_slots == 4
+
+
+def test_duplicate_hash_stays_private() -> None:
+    pool = BlockPool(4, 4)
+    first = fill(pool, [1, 2, 3, 4])
+    second = fill(pool, [1, 2, 3, 4])
+    events = pool.take_events()
+    assert len(events) == 1
+    pool.release(first)
+    pool.release(second)
+    assert pool.free_slots + len(pool.evictable) == 4
