@@ -14,6 +14,7 @@ from typing import Any, Literal
 import aiohttp
 
 from policies.config import HealthConfig
+from router.scrape import NO_COMPRESSION
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ async def probe_health(session: aiohttp.ClientSession, base_url: str, timeout_s:
 async def fetch_models(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> list[dict[str, Any]] | None:
     """The ``data`` entries of ``/v1/models``; ``None`` when unavailable (the previous list is kept)."""
     try:
-        async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(
+            base_url + "/v1/models", headers=NO_COMPRESSION, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             if resp.status != 200:
                 return None
             body = await resp.json(content_type=None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Callable
+from urllib.parse import urlencode
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,6 +29,13 @@ VLLM_CACHE_INFO = "vllm:cache_config_info"
 SGLANG_PAGE_SIZE = "sglang:page_size"
 
 WANTED_FAMILIES = frozenset((*WAITING, *RUNNING, *KV_USAGE, VLLM_CACHE_INFO, SGLANG_PAGE_SIZE))
+METRICS_PATH = "/metrics?" + urlencode([("name[]", n) for n in sorted(WANTED_FAMILIES)])
+"""prometheus_client's exposition (vLLM's and SGLang's /metrics) renders only the ``name[]`` families asked for, so the
+engine does not build ~100 KiB of histograms ten times a second; engines that ignore it send everything, which the
+parser below filters anyway."""
+NO_COMPRESSION = {"Accept-Encoding": "identity"}
+"""prometheus_client gzips when the client accepts it, and the gateway's session does not decompress (it passes
+bodies through), so ask for plain text: cheaper than gzip on both ends for a few hundred bytes."""
 FAMILIES_BY_PREFIX: dict[str, tuple[str, ...]] = {
     prefix: tuple(sorted(n for n in WANTED_FAMILIES if n.startswith(prefix))) for prefix in ("vllm:", "sglang:")
 }
@@ -129,9 +137,12 @@ def _int_label(labels: dict[str, str], key: str, default: int | None) -> int | N
 async def scrape_metrics(
     session: aiohttp.ClientSession, base_url: str, timeout_s: float, clock: Callable[[], float]
 ) -> ScrapedLoad | None:
-    """GET ``{base_url}/metrics`` and parse it; ``None`` when the engine does not answer or answers garbage."""
+    """GET the engine's ``/metrics`` (wanted families only) and parse it; ``None`` when the engine does not answer or
+    answers garbage."""
     try:
-        async with session.get(base_url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.get(
+            base_url + METRICS_PATH, headers=NO_COMPRESSION, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             if resp.status != 200:
                 return None
             text = await resp.text()

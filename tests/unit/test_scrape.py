@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Iterator
 
-from router.scrape import parse_metrics
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+
+from router.scrape import METRICS_PATH, NO_COMPRESSION, parse_metrics, scrape_metrics
 
 # Shaped after vLLM 0.33's /metrics with two data-parallel engines (trimmed histograms; same syntax as the real page).
 VLLM_DP2 = """\
@@ -103,3 +107,40 @@ def test_longer_names_sharing_a_prefix_are_not_taken_for_the_family() -> None:
     )
     load = parse_metrics(text, at=1.0)
     assert (load.waiting, load.running) == (3, 5)
+
+
+@pytest.fixture
+def prometheus_engine() -> Iterator[str]:
+    """prometheus_client's own exposition server (the code behind vLLM's and SGLang's /metrics) with vLLM gauges."""
+    registry = CollectorRegistry()
+    labels = ["engine", "model_name"]
+    Gauge("vllm:num_requests_waiting", "w", labels, registry=registry).labels("0", "m").set(6)
+    Gauge("vllm:num_requests_running", "r", labels, registry=registry).labels("0", "m").set(2)
+    Gauge("vllm:kv_cache_usage_perc", "u", labels, registry=registry).labels("0", "m").set(0.5)
+    Gauge("vllm:cache_config_info", "i", ["block_size", "num_gpu_blocks"], registry=registry).labels("16", "900").set(1)
+    ttft = Histogram("vllm:time_to_first_token_seconds", "t", labels, registry=registry)
+    ttft.labels("0", "m").observe(0.2)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+async def test_scrape_against_prometheus_exposition_with_a_passthrough_session(prometheus_engine: str) -> None:
+    # The gateway's upstream session does not decompress; prometheus_client gzips for clients that accept it.
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        load = await scrape_metrics(session, prometheus_engine, 2.0, clock=lambda: 7.0)
+        assert load is not None
+        assert (load.at, load.waiting, load.running, load.kv_usage) == (7.0, 6, 2, 0.5)
+        assert (load.block_size, load.num_gpu_blocks) == (16, 900)
+        async with session.get(prometheus_engine + METRICS_PATH, headers=NO_COMPRESSION) as resp:
+            body = await resp.text()
+        assert "vllm:num_requests_waiting" in body and "time_to_first_token" not in body  # rendered server-side
+
+
+async def test_scrape_of_a_dead_engine_is_none() -> None:
+    async with aiohttp.ClientSession() as session:
+        assert await scrape_metrics(session, "http://127.0.0.1:9", 0.5, clock=lambda: 0.0) is None
