@@ -95,14 +95,19 @@ class CostPolicy:
         estimates: dict[str, Estimate],
         queues: dict[str, float],
     ) -> list[_Candidate]:
-        """Pull the longest healthy prefix to each other replica, where that beats serving there by recompute."""
+        """Pull the longest healthy prefix to each other replica, where that beats serving there by recompute.
+
+        A transfer first runs the handshake on the source, so it never finishes before serving the request on the
+        source itself would (plus link setup): destinations already faster than that are skipped unpriced.
+        """
         healthy = [v for v in views if v.healthy]
         if not healthy:
             return []
         source = max(healthy, key=lambda v: (v.match.total, -queues[v.name]))
+        floor_ms = estimates[source.name].ttft_ms + self.cost_model.transfer.setup_ms
         found = []
         for dest in views:
-            if dest.name == source.name:
+            if dest.name == source.name or estimates[dest.name].ttft_ms <= floor_ms:
                 continue
             estimate = self.cost_model.transfer_estimate(
                 request, source, dest, queues[source.name], queues[dest.name]
