@@ -5,9 +5,11 @@ Layout, chosen for memory (≤150 bytes per (block, replica) holding) and lookup
 - replicas are interned to small slot numbers; a block's holders are one int bitmask with bit ``slot * 3 + tier``,
   stored in one dict ``key → mask`` (a 64-bit key, a small int and one dict entry per block, shared by every
   replica that holds it);
-- the dict's insertion order is the recency order: storing or matching a block moves it to the end, eviction takes
-  from the front. Lookups touch a matched chain from its tail to its head, so the head of a chain is always more
-  recent than its tail and eviction trims chains from their leaves, least recently matched first;
+- eviction is CLOCK (second chance) over the dict's insertion order: a store inserts a chain head last, so older
+  chains and chain leaves sit at the front; a lookup only adds its matched keys to a "recently matched" set (one C
+  call, no reordering of the big dict on the request path); eviction walks from the front, moves recently matched
+  keys to the back once (clearing their mark) and evicts the rest. So least recently matched chains go first, from
+  their leaves. The set is bounded (cleared when it outgrows half the index), at worst falling back to FIFO;
 - a holding's generation is its replica's current generation (the index drops every holding of a replica whose
   generation moves on, so no holding of an old generation survives), and its ``since`` is kept per replica
   generation, not per block (``ReplicaHoldings.since``);
@@ -66,6 +68,7 @@ class PrefixIndex:
         self.predicted_ttl_s = predicted_ttl_s
         self._clock = clock
         self._holders: dict[int, int] = {}
+        self._recently_matched: set[int] = set()
         self._entries = 0
         self._evictions = 0
         self._slots: dict[str, int] = {}
@@ -199,17 +202,19 @@ class PrefixIndex:
     def _evict(self) -> None:
         target = self.max_entries - int(self.max_entries * _EVICTION_HEADROOM)
         holders = self._holders
-        while self._entries > target:
-            batch = list(islice(holders, max(1, min(len(holders), 1024))))
-            if not batch:
-                break
-            for key in batch:
+        recent = self._recently_matched
+        while self._entries > target and holders:
+            for key in list(islice(holders, 1024)):
                 mask = holders.pop(key)
+                if key in recent:  # second chance: back of the queue, mark cleared
+                    recent.discard(key)
+                    holders[key] = mask
+                    continue
                 count = mask.bit_count()
                 self._entries -= count
                 self._evictions += count
                 if self._entries <= target:
-                    break
+                    return
 
     # predictions
 
@@ -273,13 +278,22 @@ class PrefixIndex:
         previous: tuple[int, int, int, int] | None = None
         run_length = 0
         matched = 0
+        previous_mask = previous_guess = -1
+        get_holders = holders.get
+        get_predicted = predicted.get if predicted else None
         for key in keys:
-            mask = holders.get(key, 0)
+            mask = get_holders(key, 0)
+            guess = get_predicted(key, 0) if get_predicted is not None else 0
+            if mask == previous_mask and guess == previous_guess:  # the common case: same holders as the last block
+                run_length += 1
+                matched += 1
+                continue
+            previous_mask, previous_guess = mask, guess
             gpu = mask & gpu_pattern
             cpu = (mask >> 1) & gpu_pattern & ~gpu
             storage = (mask >> 2) & gpu_pattern & ~gpu & ~cpu
             confirmed = gpu | cpu | storage
-            guessed = predicted.get(key, 0) & ~confirmed
+            guessed = guess & ~confirmed
             held = (confirmed | guessed) & alive
             if not held:
                 break
@@ -296,10 +310,10 @@ class PrefixIndex:
         if previous is None:
             return {}
         runs.append((*previous, run_length))
-        for key in reversed(keys[:matched]):
-            mask = holders.pop(key, None)
-            if mask is not None:
-                holders[key] = mask
+        recent = self._recently_matched
+        recent.update(keys[:matched])
+        if len(recent) > max(_RECENT_FLOOR, len(holders) // 2):
+            recent.clear()
         result: dict[str, PrefixMatch] = {}
         names = self._names
         for gpu, cpu, storage, guessed, length in runs:
@@ -329,6 +343,9 @@ class PrefixIndex:
             replicas=len(self._replicas),
         )
 
+
+_RECENT_FLOOR = 4096
+"""The recently-matched set may always hold this many keys, however small the index."""
 
 _BYTES_PER_BLOCK = 36 + 32 + 48
 """A 64-bit int key, a small int mask and one dict slot with its share of the table (measured with tracemalloc

@@ -1,0 +1,153 @@
+"""Prefix-index numbers, printed (run by hand: `.venv/bin/python benchmarks/bench_index.py`).
+
+- stored blocks decoded + applied per second on one core (vLLM-shaped batches: one BlockStored of 16 blocks per
+  frame; and SGLang-shaped: one BlockStored per page);
+- lookup p50/p99 of a 40,000-token prompt (2,500 blocks of 16) over 16 replicas holding 1,000,000 blocks in total;
+- bytes per (block, replica) holding, measured with tracemalloc (index alone, and with the ingestor's engine-hash map);
+- block_keys time for 40,000 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+
+import msgspec
+
+from cache_index.index import PrefixIndex
+from cache_index.ingest import EventIngestor
+from cache_index.keys import block_keys, namespace_key
+from cache_index.match import Tier
+from cache_index.vllm_wire import BlockStored, KVEventBatch
+
+BS = 16
+REPLICAS = 16
+TOTAL_BLOCKS = 1_000_000
+PROMPT_TOKENS = 40_000
+
+
+def vllm_frames(n_frames: int, blocks_per_event: int, events_per_frame: int) -> list[bytes]:
+    """Chains of ``blocks_per_event`` blocks; each frame carries ``events_per_frame`` such events."""
+    rng = random.Random(1)
+    frames = []
+    engine_hash = 1
+    for _ in range(n_frames):
+        events = []
+        for _ in range(events_per_frame):
+            hashes = list(range(engine_hash, engine_hash + blocks_per_event))
+            engine_hash += blocks_per_event
+            tokens = [rng.randrange(32000) for _ in range(blocks_per_event * BS)]
+            events.append(BlockStored(hashes, None, tokens, BS, None, "GPU", None))
+        frames.append(msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)))
+    return frames
+
+
+def bench_ingest(label: str, frames: list[bytes], blocks: int) -> None:
+    index = PrefixIndex(max_entries=10_000_000)
+    ingestor = EventIngestor(index)
+    ingestor.add_replica("r", model="m")
+    start = time.process_time()
+    for seq, payload in enumerate(frames):
+        ingestor.apply("r", seq, payload)
+    elapsed = time.process_time() - start
+    assert index.stats().entries == blocks, index.stats()
+    print(f"ingest {label}: {blocks / elapsed:,.0f} stored blocks/s decoded+applied (one core, {blocks:,} blocks)")
+
+
+def populated_index() -> tuple[PrefixIndex, list[int]]:
+    rng = random.Random(2)
+    index = PrefixIndex(max_entries=10_000_000)
+    prompt = [rng.randrange(32000) for _ in range(PROMPT_TOKENS)]
+    prompt_keys = block_keys(namespace_key("m"), prompt, BS)
+    per_replica = TOTAL_BLOCKS // REPLICAS
+    for r in range(REPLICAS):
+        name = f"replica-{r}"
+        shared = prompt_keys[: (r + 1) * len(prompt_keys) // REPLICAS]  # replica r holds a prefix of the prompt
+        index.store(name, shared, Tier.GPU if r % 3 else Tier.CPU, 0)
+        own = [rng.getrandbits(64) for _ in range(per_replica - len(shared))]
+        for i in range(0, len(own), 256):
+            index.store(name, own[i : i + 256], Tier.GPU, 0)
+    return index, prompt_keys
+
+
+def bench_lookup() -> None:
+    index, prompt_keys = populated_index()
+    print(f"index: {index.stats().entries:,} holdings over {REPLICAS} replicas")
+    wall, cpu = [], []
+    for _ in range(1000):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        index.lookup(prompt_keys, BS)
+        cpu.append((time.thread_time() - start_cpu) * 1e3)
+        wall.append((time.perf_counter() - start) * 1e3)
+    wall.sort()
+    cpu.sort()
+    matches = index.lookup(prompt_keys, BS)
+    print(f"lookup 40,000-token prompt ({len(matches)} replicas matched): CPU p50 {statistics.median(cpu):.3f} ms, "
+          f"p99 {cpu[989]:.3f} ms; wall p50 {statistics.median(wall):.3f} ms, p99 {wall[989]:.3f} ms "
+          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    start = time.perf_counter()
+    dropped = index.drop_replica("replica-7")
+    print(f"drop_replica ({dropped:,} holdings): {(time.perf_counter() - start) * 1e3:.1f} ms")
+
+
+def bench_memory() -> None:
+    rng = random.Random(3)
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    keys = [rng.getrandbits(64) | 1 << 63 for _ in range(TOTAL_BLOCKS)]  # full-width keys, as block_keys makes
+    keys_list_bytes = sys.getsizeof(keys)
+    index = PrefixIndex(max_entries=10_000_000)
+    per_replica = TOTAL_BLOCKS // REPLICAS
+    for r in range(REPLICAS):
+        chunk = keys[r * per_replica : (r + 1) * per_replica]
+        for i in range(0, len(chunk), 256):
+            index.store(f"replica-{r}", chunk[i : i + 256], Tier.GPU, 0)
+    used = tracemalloc.get_traced_memory()[0] - base - keys_list_bytes
+    tracemalloc.stop()
+    entries = index.stats().entries
+    print(f"memory: {used / entries:.0f} bytes per holding in the index, every block on one replica only "
+          f"({used / 2**20:.0f} MiB for {entries:,} holdings; stats() estimates {index.stats().approx_bytes / 2**20:.0f} MiB)")
+
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    index = PrefixIndex(max_entries=10_000_000)
+    ingestor = EventIngestor(index)
+    ingestor.add_replica("r", model="m")
+    frames = vllm_frames(2_000, 16, 4)
+    frames_bytes = tracemalloc.get_traced_memory()[0] - base
+    for seq, payload in enumerate(frames):
+        ingestor.apply("r", seq, payload)
+    used = tracemalloc.get_traced_memory()[0] - base - frames_bytes
+    tracemalloc.stop()
+    entries = index.stats().entries
+    print(f"memory via events: {used / entries:.0f} bytes per holding including the engine-hash map "
+          f"({entries:,} holdings)")
+
+
+def bench_block_keys() -> None:
+    rng = random.Random(4)
+    tokens = [rng.randrange(32000) for _ in range(PROMPT_TOKENS)]
+    ns = namespace_key("m")
+    samples = []
+    for _ in range(200):
+        start = time.perf_counter()
+        block_keys(ns, tokens, BS)
+        samples.append((time.perf_counter() - start) * 1e3)
+    samples.sort()
+    print(f"block_keys 40,000 tokens: p50 {statistics.median(samples):.3f} ms, min {samples[0]:.3f} ms")
+
+
+def main() -> None:
+    bench_block_keys()
+    bench_ingest("vLLM-shaped (16 blocks/event, 4 events/frame)", vllm_frames(5_000, 16, 4), 5_000 * 64)
+    bench_ingest("SGLang-shaped (1 block/event, 16 events/frame)", vllm_frames(10_000, 1, 16), 10_000 * 16)
+    bench_lookup()
+    bench_memory()
+
+
+if __name__ == "__main__":
+    main()
