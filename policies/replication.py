@@ -60,7 +60,7 @@ class _Prefix:
     updated: float
     holders: frozenset[str]
     warmed: set[str] = field(default_factory=set)
-    """Replicas this planner warmed for the prefix (counted against ``max_replicas_per_prefix``)."""
+    """Replicas this planner warmed for the prefix, reported by :meth:`HotPrefixTracker.retire` when it cools."""
     pending: tuple[str, float] | None = None
     """A warm-up in flight: (target, deadline)."""
 
@@ -77,7 +77,7 @@ class HotPrefixTracker:
     * heat ≥ ``min_saving_ms_per_s`` and the prefix has ≥ ``min_prefix_tokens`` tokens;
     * every healthy holder's queue delay exceeds the best non-holder's ``queue delay + prefill_ms(prefix)`` (the
       holders are the bottleneck: requests would rather recompute elsewhere than wait);
-    * holders + replicas already warmed < ``max_replicas_per_prefix``;
+    * holders (as the prefix index reports them) < ``max_replicas_per_prefix``;
     * no warm-up of this prefix is in flight (until its target shows up as a holder, the router reports it
       finished, or ``warmup_timeout_s`` passes);
     * the global token bucket (``warmup_budget_tokens_per_s``, one second of burst) holds the prefix's tokens.
@@ -187,12 +187,12 @@ class HotPrefixTracker:
         holders = [h for h in entry.holders if h in queues]
         if not holders:
             return None
-        if len(entry.holders | entry.warmed) >= self.config.max_replicas_per_prefix:
+        if len(entry.holders) >= self.config.max_replicas_per_prefix:
             self.counts[("skipped", "cap")] += 1
             return None
         source = min(holders, key=lambda h: queues[h])
         recompute = cost_model.prefill_ms(entry.tokens)
-        targets = [n for n in queues if n not in entry.holders and n not in entry.warmed]
+        targets = [n for n in queues if n not in entry.holders]
         if not targets:
             return None
         target = min(targets, key=lambda n: queues[n])

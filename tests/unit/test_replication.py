@@ -141,3 +141,18 @@ def test_disabled_replication_plans_nothing() -> None:
     tracker = HotPrefixTracker(ReplicationConfig(enabled=False))
     now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
     assert tracker.plan(BUSY_HOLDER, MODEL, now) == [] and len(tracker) == 0
+
+
+def test_short_prefix_is_not_replicated() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig(min_prefix_tokens=10_000))
+    now = feed(tracker, "p", rate=5, seconds=20, holders={"a"})
+    assert tracker.plan(BUSY_HOLDER, MODEL, now) == []
+
+
+def test_warmed_replica_evicted_while_hot_can_be_warmed_again() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig())
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    assert [w.target for w in tracker.plan(BUSY_HOLDER, MODEL, now)] == ["b"]
+    tracker.record("p", PREFIX, {"a", "b"}, now + 1)  # confirmed
+    tracker.record("p", PREFIX, {"a"}, now + 2)  # engine LRU dropped it again
+    assert [w.target for w in tracker.plan(BUSY_HOLDER, MODEL, now + 2)] == ["b"]
