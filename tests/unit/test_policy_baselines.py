@@ -90,3 +90,38 @@ def test_prefix_affinity_switches_to_least_loaded_when_imbalanced() -> None:
     imbalanced = [replica("a", gpu=900, in_flight=65), replica("b", in_flight=0)]
     decision = policy.decide(REQUEST, imbalanced)
     assert (decision.replica, decision.reason) == ("b", "imbalanced")
+
+
+STABLE_REASONS = {"round-robin", "least-loaded", "affinity", "imbalanced", "warm", "idle-recompute", "cold", "session", "transfer"}
+
+
+def test_every_policy_on_random_fleets_keeps_the_contract() -> None:
+    """Healthy replicas only (while any), ranked = every eligible replica once, chosen first, a known reason."""
+    rng = random.Random(42)
+    config = KvgateConfig()
+    for name in POLICY_NAMES:
+        policy = create_policy(name, config, CostModel.from_config(config), random.Random(0))
+        for _ in range(300):
+            fleet = [
+                ReplicaView(
+                    name=f"r{i}",
+                    healthy=rng.random() < 0.6,
+                    match=PrefixMatch(gpu=rng.choice([0, 500, 3000]), cpu=rng.choice([0, 200]), predicted=rng.choice([0, 16])),
+                    in_flight=rng.randint(0, 100),
+                    in_flight_prefilling=rng.randint(0, 3),
+                    in_flight_prefill_tokens=rng.randint(0, 5000),
+                    scraped_waiting=rng.choice([None, 0, 7]),
+                    scraped_running=rng.choice([None, 3, 90]),
+                    last_session_match=rng.random() < 0.2,
+                )
+                for i in range(rng.randint(1, 8))
+            ]
+            req = RouteRequest(request_id="r", model="m", prompt_tokens=rng.randint(0, 6000), block_size=16,
+                               approximate=rng.random() < 0.2)
+            decision = policy.decide(req, fleet)
+            healthy = {v.name for v in fleet if v.healthy}
+            eligible_names = healthy or {v.name for v in fleet}
+            assert decision.replica in eligible_names, name
+            assert decision.ranked[0] == decision.replica
+            assert sorted(decision.ranked) == sorted(eligible_names)
+            assert decision.reason in STABLE_REASONS
