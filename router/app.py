@@ -57,16 +57,6 @@ from router.tenants import AuthError, TenantResolver, cache_salt_for
 
 log = logging.getLogger("kvgate.app")
 
-NIXL_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-"""The first leg of vLLM's NixlConnector handshake, as vLLM's own toy proxy sends it."""
-
 CALIBRATION_REFRESH_S = 1.0
 """How often calibrated prefill coefficients are refitted and swapped in."""
 
@@ -128,15 +118,6 @@ def client_salt(body: dict[str, Any]) -> str | None:
     if salt is not None and not isinstance(salt, str):
         raise ApiError(400, "'cache_salt' must be a string", param="cache_salt", code="invalid_type")
     return salt
-
-
-def first_leg_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill-only request of a transfer: same prompt, one token, not streamed, KV kept for the destination."""
-    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
-    leg.update(kv_transfer_params=dict(NIXL_PREFILL_PARAMS), stream=False, max_tokens=1)
-    if "max_completion_tokens" in body:
-        leg["max_completion_tokens"] = 1
-    return leg
 
 
 class IndexFeed(FleetListener):
@@ -364,23 +345,15 @@ class Gateway:
         self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str], routed: Routed,
         dispatcher: FleetDispatcher,
     ) -> bytes:
-        """Run the NixlConnector handshake's first leg on the warm source; return the destination's body.
-
-        On any failure of the first leg the destination recomputes (the original body); the client never sees it.
-        """
+        """The destination's body: with the source's ``kv_transfer_params`` when the first leg worked, else the
+        original (the destination recomputes; the client never sees the handshake)."""
         source = routed.decision.source
         assert source is not None
-        leg = Forward(path, _encode(first_leg_body(body)), headers, False, [source], 1)
-        params: Any = None
-        try:
-            async with asyncio.timeout(self.config.transfer.first_leg_timeout_s):
-                up = await self.proxy.forward(leg, dispatcher)
-            up.ticket.finish(True)
-            if up.status == 200:
-                params = _decode(up.body).get("kv_transfer_params")
-        except (AttemptFailed, TimeoutError, msgspec.DecodeError, AttributeError) as e:
-            log.warning("transfer first leg on %s failed (%s): recomputing on %s", source, e, routed.decision.replica)
-        if not isinstance(params, dict):
+        params = await self.proxy.prefill_for_transfer(
+            path, body, headers, source, dispatcher, self.config.transfer.first_leg_timeout_s
+        )
+        if params is None:
+            log.warning("transfer from %s failed: recomputing on %s", source, routed.decision.replica)
             self.metrics.transfers.labels("fallback").inc()
             return raw
         self.metrics.transfers.labels("completed").inc()

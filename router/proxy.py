@@ -35,6 +35,16 @@ HOP_BY_HOP = frozenset(
 )
 """Upstream response headers kvgate does not copy to the client (its own server sets framing and these)."""
 
+NIXL_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""The first leg of vLLM's NixlConnector handshake, as vLLM's own toy proxy sends it."""
+
 StreamEnd = Literal["ok", "stream_error", "client_disconnect"]
 
 
@@ -158,6 +168,28 @@ class Proxy:
             raise AttemptFailed("no_replica", "no routable replica")
         raise last
 
+    async def prefill_for_transfer(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], source: str, dispatcher: Dispatcher,
+        timeout_s: float,
+    ) -> dict[str, Any] | None:
+        """First leg of vLLM's NixlConnector handshake: prefill the prompt on ``source`` (one token, not streamed,
+        same X-Request-Id) so its KV stays held for the destination; the ``kv_transfer_params`` the destination needs,
+        or None when the leg failed, timed out or answered without them."""
+        leg = Forward(path, _encode(first_leg_body(body)), headers, False, [source], 1)
+        try:
+            async with asyncio.timeout(timeout_s):
+                up = await self.forward(leg, dispatcher)
+        except (AttemptFailed, TimeoutError):
+            return None
+        up.ticket.finish(True)
+        if up.status != 200:
+            return None
+        try:
+            params = _decode(up.body).get("kv_transfer_params")
+        except (msgspec.DecodeError, AttributeError):
+            return None
+        return params if isinstance(params, dict) else None
+
     def _backoff_s(self, retry: int) -> float:
         """Full jitter: uniform in [0, min(max, base * 2^(retry-1))]."""
         cap = min(self.config.backoff_max_ms, self.config.backoff_base_ms * (2 ** (retry - 1)))
@@ -201,6 +233,19 @@ class Proxy:
             if response is not None:
                 response.close()
             raise
+
+
+def first_leg_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill-only request of a transfer: same prompt, one token, not streamed, KV kept for the destination."""
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
+    leg.update(kv_transfer_params=dict(NIXL_PREFILL_PARAMS), stream=False, max_tokens=1)
+    if "max_completion_tokens" in body:
+        leg["max_completion_tokens"] = 1
+    return leg
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
 
 
 class _UsageDetails(msgspec.Struct):
