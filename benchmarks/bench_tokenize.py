@@ -52,6 +52,27 @@ async def measure(call: Callable[[], Awaitable[Any]]) -> tuple[float, float]:
     return (time.process_time() - cpu) * 1000, (time.perf_counter() - wall) * 1000
 
 
+async def stall_ms(call: Callable[[], Awaitable[Any]]) -> float:
+    """Longest gap between the wake-ups of a 1 ms ticker on the loop while ``call`` runs."""
+    longest = 0.0
+    done = False
+
+    async def ticker() -> None:
+        nonlocal longest
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    await call()
+    done = True
+    await task
+    return longest * 1000
+
+
 def row(label: str, samples: list[tuple[float, float]]) -> str:
     cpu = statistics.median(s[0] for s in samples)
     wall = statistics.median(s[1] for s in samples)
@@ -98,6 +119,17 @@ async def main() -> None:
         print(f"   {len(messages)} messages, {chars} characters, {len(reference.encode_chat(messages))} tokens")
         print(row("full encode (no cache)", full))
         print(row("kvgate warm growing chat (one new message)", samples))
+        again = [await measure(lambda: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": list(messages)}))
+                 for _ in range(RUNS)]
+        print(row("kvgate warm, same 100k-char chat again", again))
+
+        print("-- longest event-loop stall while a cold 40k-token chat is tokenized")
+        cold_chat = chat(rng, 40_000)
+        on_loop = await stall_ms(lambda: asyncio.sleep(0, reference.encode_chat(cold_chat)))
+        cold_chat = chat(rng, 40_000)
+        off_loop = await stall_ms(lambda: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": cold_chat}))
+        print(f"{'encode on the loop':<44} stall {on_loop:8.2f} ms")
+        print(f"{'kvgate (worker thread, GIL released)':<44} stall {off_loop:8.2f} ms")
         print(f"cache: {len(prompts.cache)} pieces, {prompts.cache.bytes / 1e6:.1f} MB, "
               f"{prompts.cache.hits} hits, {prompts.cache.misses} misses")
     finally:

@@ -20,13 +20,14 @@ gateway answers with a 400 in OpenAI's error format.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 import zlib
 from array import array
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from threading import Lock
 from typing import Any, Awaitable, Callable, Literal, Sequence
 
@@ -54,6 +55,8 @@ MEDIA_PART_TYPES = frozenset(
 
 APPROXIMATE_BYTES_PER_TOKEN = 4
 
+log = logging.getLogger("kvgate.prompts")
+
 
 class PromptError(Exception):
     """A request body the engine would reject: the gateway answers 400 with this message and ``param``."""
@@ -76,13 +79,22 @@ class TokenizedPrompt:
     """Prompts in a batched completions request; ``token_ids`` are the first one's."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TokenizerStats:
-    """Plain counters for the metrics exporter; updated on the event loop only."""
+    """A snapshot of the tokenizer's counters for the metrics exporter: every field a number or a {label: number}."""
 
-    by_source: dict[str, int] = field(default_factory=lambda: {"local": 0, "engine": 0, "approximate": 0, "ids": 0})
-    engine_errors: int = 0
-    cpu_seconds: float = 0.0
+    by_source: dict[str, int]
+    """Prompts tokenized, by source (local, engine, approximate, ids)."""
+    engine_errors: int
+    """``/tokenize`` fallbacks that failed (transport error, timeout, bad answer); each fell back to approximate."""
+    local_errors: int
+    """Unexpected failures of the local tokenizer (never a client mistake); each fell back to engine/approximate."""
+    cpu_seconds: float
+    cache_hits: int
+    cache_misses: int
+    cache_evictions: int
+    cache_entries: int
+    cache_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +207,26 @@ class PromptTokenizer:
         self._request_templates: OrderedDict[tuple[str, str], ChatTemplate] = OrderedDict()
         self._templates_lock = Lock()
         self.cache = PieceCache(cache_bytes)
-        self.stats = TokenizerStats()
+        # Counters, updated on the event loop only (workers touch only the cache, which has its own lock).
+        self._by_source: dict[str, int] = {"local": 0, "engine": 0, "approximate": 0, "ids": 0}
+        self._engine_errors = 0
+        self._local_errors = 0
+        self._cpu_seconds = 0.0
+
+    @property
+    def stats(self) -> TokenizerStats:
+        cache = self.cache
+        return TokenizerStats(
+            by_source=dict(self._by_source),
+            engine_errors=self._engine_errors,
+            local_errors=self._local_errors,
+            cpu_seconds=self._cpu_seconds,
+            cache_hits=cache.hits,
+            cache_misses=cache.misses,
+            cache_evictions=cache.evictions,
+            cache_entries=len(cache),
+            cache_bytes=cache.bytes,
+        )
 
     def has_local(self, model: str) -> bool:
         return model in self._models
@@ -213,8 +244,14 @@ class PromptTokenizer:
         loop = asyncio.get_running_loop()
         local = self._models.get(model)
         if local is not None and self._renders_locally(local, prompt):
-            ids, worker_cpu = await loop.run_in_executor(self._pool, self._encode_local, local, prompt)
-            return self._done(ids, "local", time.thread_time() - started + worker_cpu, count)
+            try:
+                ids, worker_cpu = await loop.run_in_executor(self._pool, self._encode_local, local, prompt)
+                return self._done(ids, "local", time.thread_time() - started + worker_cpu, count)
+            except PromptError:
+                raise
+            except Exception:  # a bug or a tokenizer failure must not fail the request: route on a fallback
+                log.exception("local tokenization failed for model %s", model)
+                self._local_errors += 1
         if self._engine_tokenize is not None:
             engine_ids = await self._ask_engine(model, prompt)
             if engine_ids is not None:
@@ -223,8 +260,8 @@ class PromptTokenizer:
         return self._done(ids, "approximate", time.thread_time() - started + worker_cpu, count)
 
     def _done(self, ids: array[int], source: Source, cpu_s: float, count: int) -> TokenizedPrompt:
-        self.stats.by_source[source] += 1
-        self.stats.cpu_seconds += cpu_s
+        self._by_source[source] += 1
+        self._cpu_seconds += cpu_s
         return TokenizedPrompt(ids, source == "approximate", source, cpu_s * 1000.0, count)
 
     @staticmethod
@@ -304,7 +341,7 @@ class PromptTokenizer:
                 raise ValueError("/tokenize answer has no list of token ids")
             return array("I", tokens)
         except Exception:  # any failure of the injected transport or a bad answer: fall back to the approximation
-            self.stats.engine_errors += 1
+            self._engine_errors += 1
             return None
 
 

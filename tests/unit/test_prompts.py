@@ -250,3 +250,26 @@ async def test_cache_stays_within_its_byte_budget(reference: ModelTokenizer) -> 
 def test_unloadable_tokenizer_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="models.broken.tokenizer"):
         PromptTokenizer([ModelConfig(name="broken", tokenizer=str(tmp_path / "missing"))])
+
+
+async def test_local_failure_falls_back_and_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = FakeEngine({"tokens": [4, 2]})
+    tokenizer = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))], engine)
+    try:
+        def broken(text: str) -> list[Any]:
+            raise RuntimeError("tokenizer exploded")
+
+        monkeypatch.setattr(tokenizer._models[MODEL].splitter, "pieces", broken)
+        result = await tokenizer.tokenize(MODEL, "completions", {"prompt": "hello"})
+        assert (result.source, result.token_ids.tolist()) == ("engine", [4, 2])
+        assert tokenizer.stats.local_errors == 1
+    finally:
+        tokenizer.close()
+
+
+async def test_stats_snapshot_has_every_counter(prompts: PromptTokenizer) -> None:
+    await prompts.tokenize(MODEL, "completions", {"prompt": "count me"})
+    stats = prompts.stats
+    assert stats.by_source["local"] >= 1 and stats.cpu_seconds > 0
+    assert stats.cache_entries == len(prompts.cache) and stats.cache_bytes == prompts.cache.bytes > 0
+    assert stats.cache_hits + stats.cache_misses >= 1
