@@ -74,7 +74,8 @@ class TokenizedPrompt:
     approximate: bool
     source: Source
     cpu_ms: float
-    """CPU time kvgate spent on this prompt (event loop and worker thread; the engine's time not included)."""
+    """CPU time kvgate spent on this prompt: parsing on the event loop plus the worker thread's time (an engine's
+    ``/tokenize`` time is not included)."""
     prompt_count: int = 1
     """Prompts in a batched completions request; ``token_ids`` are the first one's."""
 
@@ -228,9 +229,6 @@ class PromptTokenizer:
             cache_bytes=cache.bytes,
         )
 
-    def has_local(self, model: str) -> bool:
-        return model in self._models
-
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -239,14 +237,16 @@ class PromptTokenizer:
         started = time.thread_time()
         prompt = parse_completion(body) if endpoint == "completions" else parse_chat(body)
         count = prompt.prompt_count if isinstance(prompt, _CompletionPrompt) else 1
+        # CPU on the loop is counted for the parsing only: while awaiting, the loop runs other requests.
+        parse_cpu = time.thread_time() - started
         if isinstance(prompt, _CompletionPrompt) and prompt.ids is not None:
-            return self._done(prompt.ids, "ids", time.thread_time() - started, count)
+            return self._done(prompt.ids, "ids", parse_cpu, count)
         loop = asyncio.get_running_loop()
         local = self._models.get(model)
         if local is not None and self._renders_locally(local, prompt):
             try:
                 ids, worker_cpu = await loop.run_in_executor(self._pool, self._encode_local, local, prompt)
-                return self._done(ids, "local", time.thread_time() - started + worker_cpu, count)
+                return self._done(ids, "local", parse_cpu + worker_cpu, count)
             except PromptError:
                 raise
             except Exception:  # a bug or a tokenizer failure must not fail the request: route on a fallback
@@ -255,9 +255,9 @@ class PromptTokenizer:
         if self._engine_tokenize is not None:
             engine_ids = await self._ask_engine(model, prompt)
             if engine_ids is not None:
-                return self._done(engine_ids, "engine", time.thread_time() - started, count)
+                return self._done(engine_ids, "engine", parse_cpu, count)
         ids, worker_cpu = await loop.run_in_executor(self._pool, _approximate, prompt)
-        return self._done(ids, "approximate", time.thread_time() - started + worker_cpu, count)
+        return self._done(ids, "approximate", parse_cpu + worker_cpu, count)
 
     def _done(self, ids: array[int], source: Source, cpu_s: float, count: int) -> TokenizedPrompt:
         self._by_source[source] += 1
