@@ -224,6 +224,9 @@ class ModelTokenizer:
         tok_file = p / "tokenizer.json" if p.is_dir() else p
         config_file = tok_file.parent / "tokenizer_config.json"
         tokenizer = Tokenizer.from_file(str(tok_file))
+        # Transformers' tokenizer call ignores a tokenizer.json's own truncation/padding unless asked; so does vLLM.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.exists() else {}
         template_source = config.get("chat_template")
         if isinstance(template_source, list):  # HF allows [{"name": "default", "template": ...}, ...]

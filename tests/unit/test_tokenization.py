@@ -119,3 +119,13 @@ def test_continue_final_message_cuts_after_the_last_message(model: ModelTokenize
 def test_media_parts_are_not_rendered_as_text(model: ModelTokenizer) -> None:
     with pytest.raises(ValueError, match="image_url"):
         model.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_truncation_and_padding_in_tokenizer_json_are_ignored(tmp_path: Any) -> None:
+    spec = dict(SPEC, truncation={"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0},
+                padding={"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                         "pad_type_id": 0, "pad_token": "<|endoftext|>"})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "tokenizer_config.json").write_text((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    text = "a sentence that is clearly longer than four tokens"
+    assert ModelTokenizer.from_path(tmp_path).encode(text) == ModelTokenizer.from_path(TOKENIZER_DIR).encode(text)
