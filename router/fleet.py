@@ -240,7 +240,8 @@ class Fleet:
     def apply_config(self, config: KvgateConfig) -> None:
         """A reloaded policy file: add, remove and update the replicas it owns; intervals and breaker thresholds take
         effect at each loop's next step. A replica whose endpoints changed is replaced (its cached state is another
-        engine's)."""
+        engine's). The file is the source of truth for its replicas: one removed through the admin API but still
+        listed comes back."""
         old = {name: self.replicas[name].config for name in self._from_config if name in self.replicas}
         new = {cfg.name: cfg for cfg in config.replicas}
         self.config = config
