@@ -30,18 +30,25 @@ TOTAL_BLOCKS = 1_000_000
 PROMPT_TOKENS = 40_000
 
 
-def vllm_frames(n_frames: int, blocks_per_event: int, events_per_frame: int) -> list[bytes]:
-    """Chains of ``blocks_per_event`` blocks; each frame carries ``events_per_frame`` such events."""
+def event_frames(n_frames: int, blocks_per_event: int, events_per_frame: int, request_blocks: int = 64) -> list[bytes]:
+    """Requests of ``request_blocks`` chained blocks, published ``blocks_per_event`` blocks per BlockStored (each
+    event's parent is the previous event's last block), ``events_per_frame`` events per frame."""
     rng = random.Random(1)
     frames = []
     engine_hash = 1
+    parent: int | None = None
+    in_request = 0
     for _ in range(n_frames):
         events = []
         for _ in range(events_per_frame):
+            if in_request >= request_blocks:
+                parent, in_request = None, 0
             hashes = list(range(engine_hash, engine_hash + blocks_per_event))
             engine_hash += blocks_per_event
             tokens = [rng.randrange(32000) for _ in range(blocks_per_event * BS)]
-            events.append(BlockStored(hashes, None, tokens, BS, None, "GPU", None))
+            events.append(BlockStored(hashes, parent, tokens, BS, None, "GPU", None))
+            parent = hashes[-1]
+            in_request += blocks_per_event
         frames.append(msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)))
     return frames
 
@@ -110,14 +117,15 @@ def bench_memory() -> None:
     tracemalloc.stop()
     entries = index.stats().entries
     print(f"memory: {used / entries:.0f} bytes per holding in the index, every block on one replica only "
-          f"({used / 2**20:.0f} MiB for {entries:,} holdings; stats() estimates {index.stats().approx_bytes / 2**20:.0f} MiB)")
+          f"({used / 2**20:.0f} MiB for {entries:,} holdings; "
+          f"stats() estimates {index.stats().approx_bytes / 2**20:.0f} MiB)")
 
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     index = PrefixIndex(max_entries=10_000_000)
     ingestor = EventIngestor(index)
     ingestor.add_replica("r", model="m")
-    frames = vllm_frames(2_000, 16, 4)
+    frames = event_frames(2_000, 16, 4)
     frames_bytes = tracemalloc.get_traced_memory()[0] - base
     for seq, payload in enumerate(frames):
         ingestor.apply("r", seq, payload)
@@ -143,8 +151,8 @@ def bench_block_keys() -> None:
 
 def main() -> None:
     bench_block_keys()
-    bench_ingest("vLLM-shaped (16 blocks/event, 4 events/frame)", vllm_frames(5_000, 16, 4), 5_000 * 64)
-    bench_ingest("SGLang-shaped (1 block/event, 16 events/frame)", vllm_frames(10_000, 1, 16), 10_000 * 16)
+    bench_ingest("vLLM-shaped (16 blocks per BlockStored, 4 per frame)", event_frames(5_000, 16, 4), 5_000 * 64)
+    bench_ingest("SGLang-shaped (1 block per BlockStored, 16 per frame)", event_frames(10_000, 1, 16), 10_000 * 16)
     bench_lookup()
     bench_memory()
 

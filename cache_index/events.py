@@ -32,11 +32,15 @@ class MalformedBatch(ValueError):
     """The payload is not a KV-event batch any known engine publishes."""
 
 
-class Stored(msgspec.Struct, gc=False):
-    """Blocks an engine now holds: ``block_hashes[i]`` covers ``token_ids[i*block_size:(i+1)*block_size]``."""
+class Stored(msgspec.Struct, tag="BlockStored", tag_field="type", forbid_unknown_fields=True, gc=False):
+    """Blocks an engine now holds: ``block_hashes[i]`` covers ``token_ids[i*block_size:(i+1)*block_size]``.
+
+    Also the typed-decoding target of vLLM ≥0.24 / SGLang map events (hence the wire names and the fields kvgate
+    reads but does not use: declaring them keeps them from counting as unknown).
+    """
 
     block_hashes: list[int]
-    parent: int | None
+    parent: int | None = msgspec.field(name="parent_block_hash")
     token_ids: list[int]
     block_size: int
     medium: str | None = None
@@ -44,16 +48,26 @@ class Stored(msgspec.Struct, gc=False):
     extra_keys: list[Any] | None = None
     cache_salt: str | None = None
     kv_cache_spec_kind: str | None = None
+    lora_id: int | None = None
+    group_idx: int | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
-class Removed(msgspec.Struct, gc=False):
+class Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type", forbid_unknown_fields=True, gc=False):
     """Blocks an engine evicted from one medium."""
 
     block_hashes: list[int]
     medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
-class Cleared(msgspec.Struct, gc=False):
+class Cleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", forbid_unknown_fields=True, gc=False):
     """The engine dropped its whole prefix cache."""
 
 
@@ -197,12 +211,34 @@ def _normalise(raw: object) -> DecodedBatch:
     return batch
 
 
+class _MapEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """The common modern shape (map events, int hashes, only known fields), decoded in C without a generic pass."""
+
+    ts: float
+    events: list[Stored | Removed | Cleared]
+    dp_rank: int | None = None
+
+
+_typed_decode = msgspec.msgpack.Decoder(_MapEventBatch).decode
 _msgpack_decode = msgspec.msgpack.Decoder().decode
 _json_decode = msgspec.json.Decoder().decode
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
     """Decode one msgpack ``KVEventBatch`` payload as published on ZMQ."""
+    try:
+        typed = _typed_decode(payload)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        pass  # array events, bytes hashes, unknown types or fields, or garbage: the generic path sorts it out
+    else:
+        for event in typed.events:
+            if type(event) is not Cleared:
+                hashes = event.block_hashes
+                if hashes and min(hashes) < 0:  # SGLang's signed int64 → the canonical uint64
+                    event.block_hashes = [h & _HASH_MASK for h in hashes]
+                if type(event) is Stored and event.parent is not None and event.parent < 0:
+                    event.parent &= _HASH_MASK
+        return DecodedBatch(ts=typed.ts, events=typed.events, dp_rank=typed.dp_rank)  # type: ignore[arg-type]
     try:
         raw = _msgpack_decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError) as exc:

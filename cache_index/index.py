@@ -113,9 +113,12 @@ class PrefixIndex:
 
     def store(self, replica: str, keys: Sequence[int], tier: Tier, generation: int) -> None:
         """Record that ``replica`` holds ``keys`` in ``tier``; confirms predictions; ignored for an old generation."""
-        if not self._admit(replica, generation):
+        holdings = self._replicas.get(replica)
+        if (holdings is None or holdings.generation != generation) and not self._admit(replica, generation):
             return
-        slot = self._slot(replica)
+        slot = self._slots.get(replica)
+        if slot is None:
+            slot = self._slot(replica)
         bit = 1 << (slot * _TIERS + tier)
         holders = self._holders
         added = 0
@@ -125,7 +128,7 @@ class PrefixIndex:
                 added += 1
             holders[key] = mask | bit
         self._entries += added
-        deadlines = self._predicted_deadlines.get(slot)
+        deadlines = self._predicted_deadlines.get(slot) if self._predicted_deadlines else None
         if deadlines:
             for key in keys:
                 if deadlines.pop(key, None) is not None:

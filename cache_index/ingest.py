@@ -38,12 +38,14 @@ from typing import Any
 from cache_index.events import Cleared, DecodedBatch, MalformedBatch, Removed, Stored, decode_batch
 from cache_index.index import PrefixIndex
 from cache_index.keys import block_keys, namespace_key
-from cache_index.match import tier_of_medium
+from cache_index.match import Tier, tier_of_medium
 
 DEFAULT_DUPLICATE_WINDOW = 100_000
 """Over HTTP and replay: how far back a sequence number may be and still count as a duplicate, not a restart."""
 
 _FULL_ATTENTION = (None, "full_attention")
+_GPU_MEDIA = {None: Tier.GPU, "GPU": Tier.GPU}
+"""The media nearly every event carries, looked up without a call."""
 
 
 class ApplyStatus(enum.Enum):
@@ -276,7 +278,8 @@ class EventIngestor:
         if event.kv_cache_spec_kind not in _FULL_ATTENTION:
             dropped["other_kv_group"] += 1  # sliding-window / mamba groups do not hold a reusable prefix
             return 0
-        tier = tier_of_medium(event.medium)
+        medium = event.medium
+        tier = _GPU_MEDIA.get(medium) if medium in _GPU_MEDIA else tier_of_medium(medium)
         if tier is None:
             dropped["unknown_medium"] += 1
             return 0

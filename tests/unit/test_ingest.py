@@ -37,8 +37,8 @@ def setup() -> tuple[PrefixIndex, EventIngestor]:
     return index, ingestor
 
 
-def held(index: PrefixIndex, salt: str | None = None, lora: str | None = None, model: str = "m", version: str = "") -> int:
-    match = index.lookup(block_keys(namespace_key(model, version, salt, lora), TOKENS, BS), BS).get("r")
+def held(index: PrefixIndex, salt: str | None = None, lora: str | None = None, version: str = "") -> int:
+    match = index.lookup(block_keys(namespace_key("m", version, salt, lora), TOKENS, BS), BS).get("r")
     return 0 if match is None else match.total
 
 
