@@ -196,6 +196,12 @@ class PrefixIndex:
             self._unpredict(key, slot)
         return removed
 
+    def reset_replica(self, replica: str, generation: int) -> int:
+        """Drop everything ``replica`` holds and start ``generation`` (older writes are ignored from now on)."""
+        removed = self.drop_replica(replica)
+        self._replicas[replica] = ReplicaHoldings(generation, self._clock())
+        return removed
+
     def forget_replica(self, replica: str) -> int:
         """Drop the replica's holdings and its generation record (it left the fleet)."""
         removed = self.drop_replica(replica)

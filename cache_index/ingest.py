@@ -150,7 +150,7 @@ class EventIngestor:
 
     def remove_replica(self, name: str) -> None:
         if self._replicas.pop(name, None) is not None:
-            self.index.drop_replica(name)
+            self.index.forget_replica(name)
 
     def reset_replica(self, name: str, reason: str) -> None:
         """Health loss, drain, restart seen elsewhere: forget everything and start a new generation."""
@@ -188,7 +188,7 @@ class EventIngestor:
     def _bump(self, name: str, replica: _Replica, *, clear_streams: bool) -> None:
         replica.generation += 1
         self.stats.generations[name] = replica.generation
-        self.index.drop_replica(name)
+        self.index.reset_replica(name, replica.generation)
         replica.engine_keys.clear()
         if clear_streams:
             replica.streams.clear()

@@ -137,3 +137,15 @@ def test_cap_evicts_least_recently_matched_chains_from_their_leaves() -> None:
 def test_invalid_cap() -> None:
     with pytest.raises(ValueError):
         PrefixIndex(max_entries=0)
+
+
+def test_reset_replica_starts_a_generation_and_keeps_later_predictions() -> None:
+    index = PrefixIndex()
+    k = keys(2)
+    index.store("a", k, Tier.GPU, 0)
+    assert index.reset_replica("a", 1) == 2
+    index.predict("a", k)
+    index.store("a", k[:1], Tier.GPU, 1)
+    assert index.lookup(k, BS) == {"a": PrefixMatch(gpu=4, predicted=4)}
+    index.store("a", k, Tier.GPU, 0)  # late write of the old generation
+    assert index.lookup(k, BS) == {"a": PrefixMatch(gpu=4, predicted=4)}
