@@ -292,8 +292,8 @@ class PromptTokenizer:
                 joined.append(piece)
             else:
                 joined.extend(found[(local.name, piece)])  # type: ignore[arg-type]
-        if prompt.add_special_tokens:
-            joined = local.tokenizer.with_bos(joined)
+        if prompt.add_special_tokens and (local.tokenizer.prefix_ids or local.tokenizer.suffix_ids):
+            joined = array("I", local.tokenizer.prefix_ids) + joined + array("I", local.tokenizer.suffix_ids)
         return joined, time.thread_time() - started
 
     def _render(self, local: _LocalModel, prompt: _ChatPrompt) -> str:

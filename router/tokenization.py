@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, MutableSequence, Sequence, TypeVar
+from typing import Any, Literal, Sequence
 
 import jinja2
 import jinja2.ext
@@ -23,8 +23,6 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer
-
-Ids = TypeVar("Ids", bound=MutableSequence[int])
 
 ContentFormat = Literal["string", "openai"]
 """How a template expects ``message.content``: one string (text parts joined), or the list of OpenAI parts."""
@@ -209,14 +207,15 @@ class ModelTokenizer:
         self,
         tokenizer: Tokenizer,
         chat_template: ChatTemplate | None,
-        add_bos: str | None = None,
         special_tokens: dict[str, Any] | None = None,
+        wrap: tuple[list[int], list[int]] = ([], []),
     ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.bos_id = tokenizer.token_to_id(add_bos) if add_bos else None
         self.special_tokens = special_tokens if special_tokens is not None else {}
         """bos/eos/pad/unk token texts, the variables every chat template (the model's or a request's) is given."""
+        self.prefix_ids, self.suffix_ids = wrap
+        """Special tokens put before / after a prompt encoded with ``add_special_tokens`` (e.g. BOS)."""
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelTokenizer":
@@ -236,20 +235,13 @@ class ModelTokenizer:
             template_source = chat_template_file.read_text()
         special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
         template = compile_chat_template(template_source, special) if template_source else None
-        add_bos = special["bos_token"] if config.get("add_bos_token") else None
-        return cls(tokenizer, template, add_bos, special)
+        return cls(tokenizer, template, special, _special_token_wrap(tokenizer, config, special))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt, as vLLM encodes it (special tokens in the text are parsed as such)."""
         # encode_batch releases the GIL (encode does not), so other threads and the event loop keep running.
         ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-        return self.with_bos(ids) if add_special_tokens else ids
-
-    def with_bos(self, ids: Ids) -> Ids:
-        """Prepend the BOS token when the model's tokenizer adds one and the text did not already start with it."""
-        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-            ids.insert(0, self.bos_id)
-        return ids
+        return self.prefix_ids + ids + self.suffix_ids if add_special_tokens else ids
 
     def template_for(self, chat_template: str | None) -> ChatTemplate:
         """The model's template, or a request's own ``chat_template`` compiled with the model's special tokens.
@@ -306,6 +298,32 @@ class ModelTokenizer:
 
     def token_text(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(token_id)
+
+
+LLAMA_STYLE_CLASSES = frozenset(
+    {"LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast", "GemmaTokenizer",
+     "GemmaTokenizerFast"}
+)
+"""Transformers classes that rebuild the post-processor from ``add_bos_token`` (default true) / ``add_eos_token``."""
+
+
+def _special_token_wrap(tokenizer: Tokenizer, config: dict[str, Any], special: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """The special tokens transformers adds around a prompt with ``add_special_tokens=True``: what the tokenizer's
+    post-processor adds (found by encoding a probe both ways, e.g. Llama 3's BOS), or for Llama-style classes what
+    ``add_bos_token`` / ``add_eos_token`` say; plus BOS when the config asks for it and nothing added it."""
+    probe = "kvgate probe"
+    bare = tokenizer.encode(probe, add_special_tokens=False).ids
+    full = tokenizer.encode(probe, add_special_tokens=True).ids
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), None)
+    prefix, suffix = (full[:at], full[at + len(bare) :]) if at is not None else ([], [])
+    bos = tokenizer.token_to_id(special["bos_token"]) if special.get("bos_token") else None
+    eos = tokenizer.token_to_id(special["eos_token"]) if special.get("eos_token") else None
+    if config.get("tokenizer_class") in LLAMA_STYLE_CLASSES:
+        prefix = [bos] if bos is not None and config.get("add_bos_token", True) else []
+        suffix = [eos] if eos is not None and config.get("add_eos_token", False) else []
+    elif bos is not None and config.get("add_bos_token") and prefix[:1] != [bos]:
+        prefix = [bos, *prefix]
+    return prefix, suffix
 
 
 def _token_text(value: Any) -> str | None:

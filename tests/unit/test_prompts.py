@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -273,3 +274,23 @@ async def test_stats_snapshot_has_every_counter(prompts: PromptTokenizer) -> Non
     assert stats.by_source["local"] >= 1 and stats.cpu_seconds > 0
     assert stats.cache_entries == len(prompts.cache) and stats.cache_bytes == prompts.cache.bytes > 0
     assert stats.cache_hits + stats.cache_misses >= 1
+
+
+async def test_completion_special_tokens_wrap_matches_model_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text((TOKENIZER_DIR / "tokenizer.json").read_text())
+    config = {**json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text()),
+              "tokenizer_class": "LlamaTokenizerFast", "bos_token": "<|endoftext|>", "add_bos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = ModelTokenizer.from_path(tmp_path)
+    tokenizer = PromptTokenizer([ModelConfig(name="llama-like", tokenizer=str(tmp_path))])
+    try:
+        for body, expected in [
+            ({"prompt": "hello there"}, reference.encode("hello there")),
+            ({"prompt": "hello there", "add_special_tokens": False}, reference.encode("hello there", False)),
+        ]:
+            assert (await tokenizer.tokenize("llama-like", "completions", body)).token_ids.tolist() == expected
+        assert reference.encode("hello there")[0] == 0
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        assert (await tokenizer.tokenize("llama-like", "chat", chat)).token_ids.tolist() == reference.encode_chat(chat["messages"])
+    finally:
+        tokenizer.close()

@@ -129,3 +129,32 @@ def test_truncation_and_padding_in_tokenizer_json_are_ignored(tmp_path: Any) -> 
     (tmp_path / "tokenizer_config.json").write_text((TOKENIZER_DIR / "tokenizer_config.json").read_text())
     text = "a sentence that is clearly longer than four tokens"
     assert ModelTokenizer.from_path(tmp_path).encode(text) == ModelTokenizer.from_path(TOKENIZER_DIR).encode(text)
+
+
+def write_model(tmp_path: Any, spec: dict[str, Any], **config: Any) -> ModelTokenizer:
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    base = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**base, **config}))
+    return ModelTokenizer.from_path(tmp_path)
+
+
+def test_post_processor_special_tokens_wrap_completion_prompts(tmp_path: Any) -> None:
+    # Llama 3 style: tokenizer.json's TemplateProcessing adds BOS; the config says nothing about it.
+    spec = dict(SPEC, post_processor={
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
+    })
+    model = write_model(tmp_path, spec, bos_token="<|endoftext|>")
+    plain = model.encode("hello", add_special_tokens=False)
+    assert model.encode("hello") == [0, *plain]
+    assert model.encode("<|endoftext|>hi") == [0, 0, *model.encode("hi", add_special_tokens=False)]  # as HF: no dedupe
+
+
+def test_llama_style_classes_follow_add_bos_and_add_eos(tmp_path: Any) -> None:
+    model = write_model(tmp_path, SPEC, tokenizer_class="LlamaTokenizerFast", bos_token="<|endoftext|>",
+                        eos_token="<|im_end|>", add_bos_token=True, add_eos_token=True)
+    assert model.encode("x") == [0, *model.encode("x", add_special_tokens=False), 2]
+    assert ModelTokenizer.from_path(TOKENIZER_DIR).encode("x") == ModelTokenizer.from_path(TOKENIZER_DIR).encode(
+        "x", add_special_tokens=False)
