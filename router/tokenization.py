@@ -363,10 +363,11 @@ class PromptSplitter:
     * at added tokens (``<|im_start|>``...): Hugging Face tokenizers extract them before normalising and
       pre-tokenising, so the text between two of them is encoded independently. Chat templates put them around every
       message, so a growing chat re-encodes only its new messages.
-    * inside long text (documents), right after a letter or digit that precedes a newline, at most every
-      ``chunk_chars`` characters: with a ByteLevel pre-tokenizer of the GPT-2 / Llama 3 / Qwen family no pre-token
-      spans that point, and BPE never merges across pre-tokens. Cut points depend only on the text before them, so two
-      prompts sharing a document prefix share its pieces.
+    * inside long text (documents), before a newline that follows an ASCII letter or digit (for GPT-2's ByteLevel
+      regex: any ASCII non-space character), at most every ``chunk_chars`` characters: with a ByteLevel pre-tokenizer
+      of the GPT-2 / Llama 3 / Qwen family no pre-token spans that point, and BPE never merges across pre-tokens. Cut
+      points depend only on the text before them, so two prompts sharing a document prefix share its pieces. Only
+      made in text free of added tokens (so none can straddle a cut).
 
     When a check fails (another tokenizer family, added tokens that strip whitespace...) that cut is simply not made
     and the larger piece is encoded whole: slower, never wrong.
@@ -378,11 +379,12 @@ class PromptSplitter:
         self._added_ids = added
         self._added_re = _added_token_pattern(tokenizer, added)
         self._chunk_end_chars: frozenset[str] = frozenset()
-        self.splits_at_added_tokens = self._added_re is not None and self._check(tokenizer, _ADDED_TOKEN_SAMPLES, added)
+        self.splits_at_added_tokens = self._added_re is not None and self._check_added_token_cuts(tokenizer, added)
         if not self.splits_at_added_tokens:
             self._added_re = None
-        self._chunk_end_chars = _chunk_end_chars(tokenizer)
-        if self._chunk_end_chars and not self._check_chunks(tokenizer):
+        if self.splits_at_added_tokens or not added:
+            self._chunk_end_chars = _chunk_end_chars(tokenizer)
+        if self._chunk_end_chars and not self._check_chunk_cuts(tokenizer, added):
             self._chunk_end_chars = frozenset()
 
     @property
@@ -420,16 +422,16 @@ class PromptSplitter:
         chunks.append(text[start:])
         return chunks
 
-    def _check(self, tokenizer: Tokenizer, samples: Sequence[str], added: dict[str, int]) -> bool:
-        texts = [sample.format(token) for sample in samples for token in added]
+    def _check_added_token_cuts(self, tokenizer: Tokenizer, added: dict[str, int]) -> bool:
+        texts = [sample.format(token) for sample in _ADDED_TOKEN_SAMPLES for token in added]
         texts += _random_texts(list(added), count=200, length=60)
         return all(self._encode_pieces(tokenizer, t) == _encode_plain(tokenizer, t) for t in texts)
 
-    def _check_chunks(self, tokenizer: Tokenizer) -> bool:
+    def _check_chunk_cuts(self, tokenizer: Tokenizer, added: dict[str, int]) -> bool:
         saved = self.chunk_chars
         self.chunk_chars = 1  # cut at every eligible point: the strictest test of the rule
         try:
-            texts = _random_texts([], count=100, length=400)
+            texts = _random_texts(list(added), count=100, length=400)
             return all(self._encode_pieces(tokenizer, t) == _encode_plain(tokenizer, t) for t in texts)
         finally:
             self.chunk_chars = saved
