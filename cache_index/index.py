@@ -13,6 +13,9 @@ Layout, chosen for memory (≤150 bytes per (block, replica) holding) and lookup
 - a holding's generation is its replica's current generation (the index drops every holding of a replica whose
   generation moves on, so no holding of an old generation survives), and its ``since`` is kept per replica
   generation, not per block (``ReplicaHoldings.since``);
+- dropping a replica is O(1): its slot is retired (masked out of every read, its count subtracted) and the replica
+  gets a fresh slot on its next write. Retired bits are swept from the dict in one pass once ``_SWEEP_AFTER`` slots
+  are retired, and only then are those slot numbers reused;
 - predicted holdings live apart, ``key → mask`` (bit ``slot * 3``, the slot's GPU position, so it lines up with
   the tier masks) with a deadline per (slot, key), and are swept at each lookup, so they are never trusted past
   their TTL.
@@ -29,6 +32,9 @@ from itertools import islice
 from cache_index.match import PrefixMatch, Tier
 
 _TIERS = len(Tier)
+_SLOT_BITS = (1 << _TIERS) - 1
+_SWEEP_AFTER = 8
+"""Retired slots accumulated before one sweep of the index clears their bits."""
 _EVICTION_HEADROOM = 0.01
 """Evict this fraction of the cap below it at once, so a full index does not evict on every store."""
 
@@ -74,6 +80,13 @@ class PrefixIndex:
         self._slots: dict[str, int] = {}
         self._names: dict[int, str] = {}
         self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._retired_slots: list[int] = []
+        self._live = 0
+        """Bits of every live slot (3 per slot): holders' bits outside it belong to retired slots."""
+        self._live_gpu = 0
+        """The GPU bit of every live slot: the pattern lookups read tier masks through."""
+        self._slot_entries: dict[int, int] = {}
         self._replicas: dict[str, ReplicaHoldings] = {}
         self._predicted: dict[int, int] = {}
         self._predicted_deadlines: dict[int, dict[int, float]] = {}
@@ -84,9 +97,16 @@ class PrefixIndex:
     def _slot(self, replica: str) -> int:
         slot = self._slots.get(replica)
         if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
             self._slots[replica] = slot
             self._names[slot] = replica
+            self._slot_entries[slot] = 0
+            self._live |= _SLOT_BITS << (slot * _TIERS)
+            self._live_gpu |= 1 << (slot * _TIERS)
         return slot
 
     def generation(self, replica: str) -> int | None:
@@ -128,6 +148,7 @@ class PrefixIndex:
                 added += 1
             holders[key] = mask | bit
         self._entries += added
+        self._slot_entries[slot] += added
         deadlines = self._predicted_deadlines.get(slot) if self._predicted_deadlines else None
         if deadlines:
             for key in keys:
@@ -147,6 +168,7 @@ class PrefixIndex:
             mask = holders.get(key)
             if mask is not None and mask & bit:
                 self._entries -= 1
+                self._slot_entries[slot] -= 1
                 mask &= ~bit
                 if mask:
                     holders[key] = mask
@@ -158,7 +180,7 @@ class PrefixIndex:
         slot = self._slots.get(replica)
         if slot is None:
             return False
-        return bool(self._holders.get(key, 0) >> (slot * _TIERS) & ((1 << _TIERS) - 1))
+        return bool(self._holders.get(key, 0) >> (slot * _TIERS) & _SLOT_BITS)
 
     def tiers_of(self, replica: str, key: int) -> list[Tier]:
         slot = self._slots.get(replica)
@@ -168,33 +190,42 @@ class PrefixIndex:
         return [tier for tier in Tier if mask >> tier & 1]
 
     def drop_replica(self, replica: str) -> int:
-        """Remove every holding and prediction of ``replica`` at once; returns how many holdings were removed.
-
-        This is a scan of the index (tens of ms per million blocks); it runs only on resets, purges and removal.
-        """
+        """Remove every holding and prediction of ``replica`` at once; returns how many holdings were removed."""
         slot = self._slots.pop(replica, None)
         if slot is None:
             return 0
         del self._names[slot]
-        self._free_slots.append(slot)
-        slot_mask = ((1 << _TIERS) - 1) << (slot * _TIERS)
+        removed = self._slot_entries.pop(slot)
+        self._entries -= removed
+        self._live &= ~(_SLOT_BITS << (slot * _TIERS))
+        self._live_gpu &= ~(1 << (slot * _TIERS))
+        self._retired_slots.append(slot)
+        for key in self._predicted_deadlines.pop(slot, {}):
+            self._unpredict(key, slot)
+        if len(self._retired_slots) >= _SWEEP_AFTER:
+            self.sweep()
+        return removed
+
+    def sweep(self) -> None:
+        """Clear retired slots' bits from every block (one pass over the index) and make the slots reusable."""
+        if not self._retired_slots:
+            return
+        dead = 0
+        for slot in self._retired_slots:
+            dead |= _SLOT_BITS << (slot * _TIERS)
         holders = self._holders
-        removed = 0
         emptied: list[int] = []
         for key, mask in holders.items():
-            if mask & slot_mask:
-                removed += (mask & slot_mask).bit_count()
-                rest = mask & ~slot_mask
+            if mask & dead:
+                rest = mask & ~dead
                 if rest:
                     holders[key] = rest  # assigning an existing key keeps the dict's size and order
                 else:
                     emptied.append(key)
         for key in emptied:
             del holders[key]
-        self._entries -= removed
-        for key in self._predicted_deadlines.pop(slot, {}):
-            self._unpredict(key, slot)
-        return removed
+        self._free_slots.extend(self._retired_slots)
+        self._retired_slots.clear()
 
     def reset_replica(self, replica: str, generation: int) -> int:
         """Drop everything ``replica`` holds and start ``generation`` (older writes are ignored from now on)."""
@@ -219,9 +250,14 @@ class PrefixIndex:
                     recent.discard(key)
                     holders[key] = mask
                     continue
-                count = mask.bit_count()
+                live = mask & self._live
+                count = live.bit_count()
                 self._entries -= count
                 self._evictions += count
+                while live:
+                    low = live & -live
+                    self._slot_entries[(low.bit_length() - 1) // _TIERS] -= 1
+                    live ^= low
                 if self._entries <= target:
                     return
 
@@ -236,7 +272,7 @@ class PrefixIndex:
         deadlines = self._predicted_deadlines.setdefault(slot, {})
         predicted = self._predicted
         bit = 1 << (slot * _TIERS)
-        confirmed_bits = ((1 << _TIERS) - 1) << (slot * _TIERS)
+        confirmed_bits = _SLOT_BITS << (slot * _TIERS)
         fresh: list[int] = []
         for key in keys:
             if self._holders.get(key, 0) & confirmed_bits:
@@ -278,10 +314,9 @@ class PrefixIndex:
         self._expire_predictions(self._clock())
         holders = self._holders
         predicted = self._predicted
-        slot_count = max(self._names, default=-1) + 1
-        if slot_count == 0 or not keys:
+        if not self._names or not keys:
             return {}
-        gpu_pattern = sum(1 << (s * _TIERS) for s in range(slot_count))
+        gpu_pattern = self._live_gpu
         alive = -1
         runs: list[tuple[int, int, int, int, int]] = []  # (gpu, cpu, storage, predicted) slot masks, blocks
         previous: tuple[int, int, int, int] | None = None

@@ -149,3 +149,33 @@ def test_reset_replica_starts_a_generation_and_keeps_later_predictions() -> None
     assert index.lookup(k, BS) == {"a": PrefixMatch(gpu=4, predicted=4)}
     index.store("a", k, Tier.GPU, 0)  # late write of the old generation
     assert index.lookup(k, BS) == {"a": PrefixMatch(gpu=4, predicted=4)}
+
+
+def test_dropped_slots_are_swept_before_reuse_and_counts_stay_exact() -> None:
+    index = PrefixIndex(max_entries=1_000)
+    k = keys(3)
+    index.store("keeper", k[:1], Tier.GPU, 0)
+    for generation in range(20):  # more drops than retired slots kept before a sweep
+        index.store("flappy", k, Tier.CPU, generation)
+        index.predict("other", k)
+        assert index.lookup(k, BS)["flappy"] == PrefixMatch(cpu=12)
+        assert index.stats().entries == 4
+        index.reset_replica("flappy", generation + 1)
+        index.drop_replica("other")
+        assert index.lookup(k, BS) == {"keeper": PrefixMatch(gpu=4)}
+        assert index.stats().entries == 1
+    index.sweep()
+    assert index.stats().blocks == 1
+
+
+def test_eviction_counts_only_live_holdings() -> None:
+    index = PrefixIndex(max_entries=4)
+    k = keys(6)
+    index.store("a", k[:4], Tier.GPU, 0)
+    index.drop_replica("a")  # retired, not yet swept: its bits linger in the masks
+    index.store("b", k[:4], Tier.GPU, 0)
+    assert index.stats().entries == 4 and index.stats().evictions == 0
+    index.store("b", k[4:6], Tier.GPU, 0)
+    stats = index.stats()
+    assert stats.entries == 4 and stats.evictions == 2
+    assert index.lookup(k, BS) == {"b": PrefixMatch(gpu=8)}  # the first chain lost its two leaves
