@@ -376,14 +376,15 @@ class PromptSplitter:
     def __init__(self, tokenizer: Tokenizer, chunk_chars: int = 2048):
         self.chunk_chars = chunk_chars
         added = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
+        spec = json.loads(tokenizer.to_str())
         self._added_ids = added
-        self._added_re = _added_token_pattern(tokenizer, added)
+        self._added_re = _added_token_pattern(tokenizer, spec, added)
         self._chunk_end_chars: frozenset[str] = frozenset()
         self.splits_at_added_tokens = self._added_re is not None and self._check_added_token_cuts(tokenizer, added)
         if not self.splits_at_added_tokens:
             self._added_re = None
         if self.splits_at_added_tokens or not added:
-            self._chunk_end_chars = _chunk_end_chars(tokenizer)
+            self._chunk_end_chars = _chunk_end_chars(spec)
         if self._chunk_end_chars and not self._check_chunk_cuts(tokenizer, added):
             self._chunk_end_chars = frozenset()
 
@@ -447,12 +448,12 @@ def _encode_plain(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
 
-def _added_token_pattern(tokenizer: Tokenizer, added: dict[str, int]) -> re.Pattern[str] | None:
+def _added_token_pattern(tokenizer: Tokenizer, spec: dict[str, Any], added: dict[str, int]) -> re.Pattern[str] | None:
     """A regex finding added tokens leftmost-longest, as the tokenizer does; None when some added token strips
     neighbouring whitespace or matches on normalised text (cuts there would not be exact)."""
     if not added:
         return None
-    has_normalizer = json.loads(tokenizer.to_str()).get("normalizer") is not None
+    has_normalizer = spec.get("normalizer") is not None
     for token in tokenizer.get_added_tokens_decoder().values():
         if token.lstrip or token.rstrip or token.single_word or (token.normalized and has_normalizer):
             return None
@@ -460,9 +461,9 @@ def _added_token_pattern(tokenizer: Tokenizer, added: dict[str, int]) -> re.Patt
     return re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
 
 
-def _chunk_end_chars(tokenizer: Tokenizer) -> frozenset[str]:
-    """Characters after which a newline always starts a new pre-token for this tokenizer; empty when unknown."""
-    spec = json.loads(tokenizer.to_str())
+def _chunk_end_chars(spec: dict[str, Any]) -> frozenset[str]:
+    """Characters after which a newline always starts a new pre-token for this tokenizer (its tokenizer.json as a
+    dict); empty when unknown."""
     model = spec.get("model") or {}
     if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("dropout"):
         return frozenset()
