@@ -260,12 +260,13 @@ class ReplicaApi:
                 and isinstance(ktp.get("remote_request_id"), str):
             remote = RemoteSource(ktp["remote_engine_id"], ktp["remote_request_id"])
         req = SimRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=replica.next_request_id(),
             prompt_ids=gen.prompt_ids,
             max_tokens=gen.max_tokens,
             chain=block_chain(gen.prompt_ids, replica.params.block_size, gen.cache_salt),
             prefill_only=bool(ktp.get("do_remote_decode")),
             remote=remote,
+            streaming=gen.stream,
             info={
                 "endpoint": gen.endpoint, "model": replica.params.model, "stream": gen.stream,
                 "cache_salt": gen.cache_salt, "kv_transfer_params_in": gen.kv_transfer_params,

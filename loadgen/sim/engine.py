@@ -53,6 +53,8 @@ class SimRequest:
     chain: list[BlockKey]
     prefill_only: bool = False
     remote: RemoteSource | None = None
+    streaming: bool = False
+    """Wake the waiting handler on every token (SSE); otherwise only when the request ends."""
     info: dict[str, Any] = field(default_factory=dict)
     """Request facts only /sim/requests reports (endpoint, model, stream, cache_salt, headers, ...)."""
     state: State = State.WAITING
@@ -431,7 +433,9 @@ class Engine:
         self.stats.generation_tokens += 1
         if len(req.output) >= req.max_tokens:
             self._finish(req)
-        req.changed.set()
+            req.changed.set()
+        elif req.streaming:
+            req.changed.set()
 
     def _finish(self, req: SimRequest) -> None:
         req.state = State.COMPLETED

@@ -8,8 +8,10 @@ KV transfers use).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
+import uuid
 from collections import deque
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -47,6 +49,8 @@ class Replica:
         self.started_at = time.time()
         self.records: deque[SimRequest | dict[str, Any]] = deque(maxlen=RECORDS_KEPT)
         self.errors = 0
+        self._request_ids = itertools.count()
+        self._id_prefix = f"{self.name}-{uuid.uuid4().hex[:8]}"
         self.publisher = EventPublisher(
             fleet.zmq_context, self.pub_endpoint, self.replay_endpoint, params.topic, params.replay_buffer_steps,
             random.Random(params.seed * 7919 + index),
@@ -93,6 +97,10 @@ class Replica:
         await self._listener.wait_closed()
         self._listener = None
         self._web_server = None
+
+    def next_request_id(self) -> str:
+        """Internal request ids (NIXL's remote_request_id): unique per replica and process, cheap to make."""
+        return f"{self._id_prefix}-{next(self._request_ids)}"
 
     def restart(self) -> None:
         self.engine.restart()
