@@ -123,6 +123,8 @@ class EventIngestor:
         self.duplicate_window = duplicate_window
         self.stats = IngestStats()
         self._replicas: dict[str, _Replica] = {}
+        self._retired_generations: dict[str, int] = {}
+        """Last generation of removed replicas, so a re-added one never reuses a generation."""
 
     # replica lifecycle
 
@@ -134,7 +136,7 @@ class EventIngestor:
             if block_size is not None:
                 replica.block_size = block_size
             return
-        generation = self.stats.generations.get(name, -1) + 1  # a re-added replica never reuses a generation
+        generation = self._retired_generations.pop(name, -1) + 1
         self._replicas[name] = _Replica(model, weight_version, block_size, generation)
         self.stats.generations[name] = generation
 
@@ -149,8 +151,11 @@ class EventIngestor:
         self.stats.resets["namespace"] += 1
 
     def remove_replica(self, name: str) -> None:
-        if self._replicas.pop(name, None) is not None:
+        replica = self._replicas.pop(name, None)
+        if replica is not None:
             self.index.forget_replica(name)
+            self._retired_generations[name] = replica.generation
+            del self.stats.generations[name]
 
     def reset_replica(self, name: str, reason: str) -> None:
         """Health loss, drain, restart seen elsewhere: forget everything and start a new generation."""
