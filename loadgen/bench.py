@@ -28,7 +28,7 @@ from rich.console import Console
 
 from loadgen.cli import add_workload_arguments, drive, load_workload, run_config
 from loadgen.plots import write_plots
-from loadgen.report import compare, print_table, summarize, write_results
+from loadgen.report import compare, print_table, schedule_warning, summarize, write_results
 from loadgen.runner import RequestRecord
 from loadgen.workloads import Request
 from policies.config import ConfigError, load_config
@@ -243,6 +243,10 @@ def run(args: argparse.Namespace) -> int:
         "note": "simulated fleet (kvgate sim) with its stated cost constants; latencies are in scaled (wall) time",
     }
     print_table(title, summaries, ratios, console)
+    for name, summary in summaries.items():
+        warning = schedule_warning(summary)
+        if warning:
+            console.print(f"[yellow]warning ({name}): {warning}")
     write_results(out_dir, meta, records, summaries, ratios, title)
     plots = write_plots(out_dir, records, summaries, fleets)
     console.print(f"wrote {out_dir}/results.json, report.md" + (f", {len(plots)} plots" if plots else " (no matplotlib: no plots)"))

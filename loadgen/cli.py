@@ -12,7 +12,7 @@ from rich.console import Console
 
 from loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
 from loadgen.plots import write_plots
-from loadgen.report import print_table, summarize, write_results
+from loadgen.report import print_table, schedule_warning, summarize, write_results
 from loadgen.runner import RequestRecord, RunConfig, run_workload
 from loadgen.trace import TraceError
 from loadgen.workloads import WORKLOADS, Request, WorkloadOptions, build_workload
@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
     summaries = {args.name: summarize(records)}
     title = f"kvgate loadgen: {args.workload} → {args.target}"
     print_table(title, summaries, {}, console)
+    warning = schedule_warning(summaries[args.name])
+    if warning:
+        console.print(f"[yellow]warning: {warning}")
     if args.out:
         meta = {"workload": args.workload, "target": args.target, "seed": args.seed, "argv": " ".join(sys.argv[1:])}
         write_results(args.out, meta, {args.name: records}, summaries, {}, title)

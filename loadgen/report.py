@@ -44,6 +44,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("hit_ratio", "cache hit ratio", "higher"),
     Metric("oracle_hit_ratio", "oracle hit ratio", "higher"),
     Metric("load_imbalance", "load imbalance (max/mean)", "lower"),
+    Metric("send_lag_mean_ms", "client send lag mean", "lower", "ms"),
     Metric("errors", "errors", "lower"),
 )
 
@@ -118,6 +119,7 @@ def summarize(records: Sequence[RequestRecord], replicas: Sequence[str] | None =
         "throughput_rps": len(ok) / span if span > 0 else math.nan,
         "output_tok_s": sum(r.output_tokens for r in ok) / span if span > 0 else math.nan,
         "itl_mean_ms": _mean(itl),
+        "send_lag_mean_ms": _mean([(r.start_s - r.arrival_s) * 1000 for r in records]),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "hit_ratio": cached / prompt if prompt else math.nan,
@@ -130,6 +132,19 @@ def summarize(records: Sequence[RequestRecord], replicas: Sequence[str] | None =
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = percentile(values, q)
     return out
+
+
+LAG_WARNING_MS = 100.0
+
+
+def schedule_warning(summary: dict[str, Any]) -> str | None:
+    """A warning when the client did not send requests on schedule (its concurrency cap was full, or it was short of
+    CPU): then the open-loop arrival process was not what the workload says, and latencies understate queueing."""
+    lag = summary.get("send_lag_mean_ms")
+    if _missing(lag) or lag <= LAG_WARNING_MS:
+        return None
+    return (f"requests were sent {lag:.0f} ms late on average (concurrency cap or client CPU): the offered load was "
+            "lower than the workload's; raise --concurrency or lower the rate")
 
 
 def compare(summaries: dict[str, dict[str, Any]], candidate: str = CANDIDATE) -> dict[str, dict[str, Any]]:

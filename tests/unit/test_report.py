@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.report import compare, inflight_timeline, load_imbalance, percentile, summarize, write_results
+from loadgen.report import (
+    compare, inflight_timeline, load_imbalance, percentile, schedule_warning, summarize, write_results,
+)
 from loadgen.runner import RequestRecord
 
 
@@ -51,6 +53,15 @@ def test_summary_numbers() -> None:
     assert s["throughput_rps"] == pytest.approx(1.5)
     assert s["output_tok_s"] == pytest.approx(15.0)
     assert s["requests_per_replica"] == {"r0": 2, "r1": 1, "r2": 0}
+    assert s["send_lag_mean_ms"] == 0.0 and schedule_warning(s) is None
+
+
+def test_late_sends_are_flagged() -> None:
+    late = record(0, "r0", 1.0, 0.1, 2.0)
+    late.arrival_s = 0.5
+    s = summarize([late])
+    assert s["send_lag_mean_ms"] == pytest.approx(500.0)
+    assert "500 ms late" in (schedule_warning(s) or "")
 
 
 def test_inflight_timeline_and_imbalance() -> None:
