@@ -303,7 +303,7 @@ class EventIngestor:
                 dropped["orphan"] += 1
                 return 0
             parent = found
-            extras = _fold_extras(extra_keys, event.lora_name, 0) if extra_keys else None
+            extras = _fold_extras(extra_keys, event.lora_name) if extra_keys else None
         try:
             keys = block_keys(parent, event.token_ids, block_size, extras)
         except (OverflowError, TypeError, ValueError):
@@ -341,31 +341,31 @@ class EventIngestor:
 
 
 def _split_salt(event: Stored, extra_keys: list[Any] | None) -> tuple[str | None, list[Any] | None]:
-    """Take the cache salt out of a chain head's extra keys; the rest of the extra keys stay with the blocks."""
+    """Take the cache salt out of a chain head's extra keys; the other extra keys stay with their blocks."""
     salt = event.cache_salt
     if not extra_keys:
         return salt, None
-    first = extra_keys[0]
-    if isinstance(first, str):
-        first = [first]
-    if isinstance(first, list):
-        rest = []
-        for item in first:
-            if isinstance(item, str) and item != event.lora_name and salt is None:
-                salt = item
-            elif not (isinstance(item, str) and (item == event.lora_name or item == salt)):
-                rest.append(item)
-        extra_keys = [rest or None, *extra_keys[1:]]
-    return salt, _fold_extras(extra_keys, event.lora_name, 1)
+    head = _block_extras(extra_keys[0], event.lora_name)
+    if head is not None:
+        if salt is None:
+            salt = next((item for item in head if isinstance(item, str)), None)
+        head = [item for item in head if item != salt] or None
+    folded = [head, *(_block_extras(extra, event.lora_name) for extra in extra_keys[1:])]
+    return salt, folded if any(extra is not None for extra in folded) else None
 
 
-def _fold_extras(extra_keys: list[Any], lora_name: str | None, start: int) -> list[Any] | None:
-    """Extra keys per block without the LoRA name (it is part of the namespace), or None when nothing is left."""
-    folded: list[Any] = list(extra_keys[:start])
-    for extra in extra_keys[start:]:
-        if isinstance(extra, list) and lora_name is not None:
-            extra = [item for item in extra if item != lora_name] or None
-        elif extra == lora_name:
-            extra = None
-        folded.append(extra)
-    return folded if any(e is not None for e in folded) else None
+def _fold_extras(extra_keys: list[Any], lora_name: str | None) -> list[Any] | None:
+    """Per-block extra keys without the LoRA entry (the namespace has it), or None when no block has any."""
+    folded = [_block_extras(extra, lora_name) for extra in extra_keys]
+    return folded if any(extra is not None for extra in folded) else None
+
+
+def _block_extras(extra: Any, lora_name: str | None) -> list[Any] | None:
+    """One block's extra keys as a list, without its LoRA entry: the bare name (vLLM ≤0.29) or an entry naming it
+    (0.33 publishes the adapter with its path)."""
+    if extra is None:
+        return None
+    items = extra if isinstance(extra, list) else [extra]
+    if lora_name is not None:
+        items = [item for item in items if item != lora_name and not (isinstance(item, list) and lora_name in item)]
+    return items or None

@@ -172,6 +172,13 @@ def test_lora_name_roots_its_own_namespace_and_is_not_taken_for_a_salt(setup) ->
     assert held(index, lora="adapter-1") == 0 and held(index, salt="tenant-a") == 0
 
 
+def test_lora_entries_published_with_their_path_are_recognised(setup) -> None:
+    index, ingestor = setup
+    extra = [(["adapter-1", "/loras/a1"], "tenant-a"), (["adapter-1", "/loras/a1"],), None, None]
+    ingestor.apply("r", 0, frame(stored([1, 2, 3, 4], None, TOKENS, lora_name="adapter-1", extra_keys=extra)))
+    assert held(index, salt="tenant-a", lora="adapter-1") == 16
+
+
 def test_multimodal_extra_keys_never_match_text_only_requests(setup) -> None:
     index, ingestor = setup
     ingestor.apply("r", 0, frame(stored([1, 2, 3, 4], None, TOKENS, extra_keys=[None, [["img", 0]], None, None])))
