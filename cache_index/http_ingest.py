@@ -7,14 +7,17 @@ The router mounts this as ``POST /kvgate/v1/events``. Two body forms, same seque
   number come from the ``X-Kvgate-Replica`` and ``X-Kvgate-Seq`` headers (optional ``X-Kvgate-Dp-Rank``);
 - ``Content-Type: application/json``: ``{"replica": "r1", "seq": 7, "dp_rank": 0, "batch": [ts, events, dp_rank]}``
   with events in either engine encoding and raw-bytes hashes as base64 text; headers, when present, must agree.
+
+HTTP has no replay channel, so a gap is handled at once as an unrepairable one: the replica's holdings are purged
+and the posted frame is applied as the stream's new start (the gap and the purge are counted).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from cache_index.events import MalformedBatch, decode_batch_object
-from cache_index.ingest import ApplyResult, EventIngestor
+from cache_index.events import DecodedBatch, MalformedBatch, decode_batch_object
+from cache_index.ingest import ApplyResult, ApplyStatus, EventIngestor
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/octet-stream")
 
@@ -54,16 +57,25 @@ def ingest_http(
         if name is None:
             raise HttpIngestError("no replica: send X-Kvgate-Replica or a body 'replica'")
         try:
-            batch = decode_batch_object(msgspec.json.decode(message.batch))
+            batch: DecodedBatch | bytes = decode_batch_object(msgspec.json.decode(message.batch))
         except (MalformedBatch, msgspec.DecodeError):
-            # an empty payload is malformed by definition: the frame still takes its place in the sequence
-            return ingestor.apply(name, message.seq, b"", _rank(dp_rank, message.dp_rank), source="http")
-        return ingestor.apply(name, message.seq, batch, _rank(dp_rank, message.dp_rank), source="http")
+            batch = b""  # an empty payload is malformed by definition: the frame still takes its place in the sequence
+        return _apply(ingestor, name, message.seq, batch, _rank(dp_rank, message.dp_rank))
     if media_type in MSGPACK_TYPES:
         if replica is None or seq is None:
             raise HttpIngestError("msgpack events need X-Kvgate-Replica and X-Kvgate-Seq headers")
-        return ingestor.apply(replica, seq, body, dp_rank, source="http")
+        return _apply(ingestor, replica, seq, body, dp_rank)
     raise HttpIngestError(f"unsupported content type {content_type!r}: use application/msgpack or application/json")
+
+
+def _apply(
+    ingestor: EventIngestor, name: str, seq: int, payload: DecodedBatch | bytes, dp_rank: int | None
+) -> ApplyResult:
+    result = ingestor.apply(name, seq, payload, dp_rank, source="http")
+    if result.status is ApplyStatus.GAP:
+        ingestor.purge(name, dp_rank)
+        result = ingestor.apply(name, seq, payload, dp_rank, source="http")
+    return result
 
 
 def _rank(header: int | None, body: int | None) -> int | None:

@@ -44,8 +44,17 @@ def test_json_body_with_base64_bytes_hashes(setup, vectors_dir: Path) -> None:
     body = msgspec.json.encode({"replica": "r", "seq": 3, "batch": last["decoded"]})
     assert ingest_http(ingestor, None, body, "application/json; charset=utf-8").applied
     assert index.lookup(block_keys(namespace_key("m"), TOKENS, 16), 16) == {"r": PrefixMatch(gpu=32)}
-    gap = ingest_http(ingestor, "r", msgspec.json.encode({"seq": 9, "batch": [1.0, []]}), "application/json")
-    assert (gap.status, gap.expected, gap.got) == (ApplyStatus.GAP, 4, 9)
+
+
+def test_a_gap_over_http_purges_and_starts_over_at_the_posted_frame(setup, vectors_dir: Path) -> None:
+    index, ingestor = setup
+    first = bytes.fromhex(vllm_frames(vectors_dir)[0]["payload_hex"])
+    ingest_http(ingestor, "r", first, "application/msgpack", seq=0)
+    later = msgspec.json.encode({"seq": 9, "batch": [1.0, []]})
+    assert ingest_http(ingestor, "r", later, "application/json").status is ApplyStatus.APPLIED
+    assert ingestor.stats.gaps_detected == 1 and ingestor.stats.purges == 1
+    assert index.lookup(block_keys(namespace_key("m"), TOKENS, 16), 16) == {}
+    assert ingestor.expected_seq("r") == 10
 
 
 def test_malformed_json_batch_is_counted_in_sequence(setup) -> None:
