@@ -51,8 +51,11 @@ def write_plots(out_dir: Path, runs: dict[str, Sequence[RequestRecord]], summari
     for ax, (name, records) in zip(axes[:, 0], runs.items()):
         routed = [(r.replica, r.start_s, r.end_s) for r in records if r.ok and r.replica]
         times, series = inflight_timeline(routed, replicas.get(name, []))
+        if not times:
+            ax.text(0.5, 0.5, "no x-kvgate-replica header in responses", ha="center", transform=ax.transAxes)
         for replica, counts in sorted(series.items()):
-            ax.plot(times, counts, linewidth=0.8, label=replica)
+            if counts:
+                ax.plot(times, counts, linewidth=0.8, label=replica)
         ax.set_title(f"{name}: in-flight requests per replica", fontsize=9)
         ax.set_ylabel("in flight")
     axes[-1, 0].set_xlabel("time since start (s)")

@@ -70,9 +70,9 @@ def inflight_timeline(
     """In-flight requests per replica at ``samples`` evenly spaced instants over the run, from each request's
     (replica, start, end) interval. A replica that got nothing still appears, with zeros."""
     spans = list(intervals)
-    series: dict[str, list[int]] = {r: [0] * samples for r in replicas}
     if not spans:
-        return [], series
+        return [], {r: [] for r in replicas}
+    series: dict[str, list[int]] = {r: [0] * samples for r in replicas}
     t_min = min(s for _, s, _ in spans)
     t_max = max(e for _, _, e in spans)
     step = (t_max - t_min) / samples

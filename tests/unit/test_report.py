@@ -80,6 +80,7 @@ def test_imbalance_counts_idle_replicas() -> None:
     assert load_imbalance(series) == pytest.approx(4.0)  # everything on one of four replicas
     _, even = inflight_timeline([(f"r{i}", 0.0, 1.0) for i in range(4)], [f"r{i}" for i in range(4)], samples=4)
     assert load_imbalance(even) == pytest.approx(1.0)
+    assert inflight_timeline([], ["r0"]) == ([], {"r0": []})  # e.g. a peer router that names no replica
 
 
 def test_ratios_to_best_baseline() -> None:
