@@ -166,9 +166,9 @@ class KvEventSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(self.replay_endpoint)
-            await sock.send_multipart([b"", encode_seq(start_seq)])
             frames: list[tuple[int, bytes]] = []
-            async with asyncio.timeout(self.replay_timeout_s):
+            async with asyncio.timeout(self.replay_timeout_s):  # a DEALER's send waits until a peer is connected
+                await sock.send_multipart([b"", encode_seq(start_seq)])
                 while True:
                     reply = await sock.recv_multipart()
                     if len(reply) == 4:

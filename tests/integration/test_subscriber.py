@@ -212,3 +212,21 @@ async def test_a_silent_stream_is_reconnected_and_keeps_working(fleet) -> None:
     finally:
         await manager.stop_all()
         await engine.close()
+
+
+async def test_an_unreachable_replay_endpoint_times_out_and_purges(fleet) -> None:
+    context, index, ingestor, _ = fleet
+    manager = SubscriptionManager(ingestor, context=context, replay_timeout_s=0.2)
+    engine = FakeEngine(context, port_block(3))
+    nobody = f"tcp://127.0.0.1:{int(engine.endpoint.rsplit(':', 1)[1]) + 2}"
+    try:
+        manager.start("r", engine.endpoint, nobody, topic="kv")
+        await connect(engine, ingestor)
+        await engine.publish(2, payload(2))
+        await wait_until(lambda: ingestor.expected_seq("r") == 3, "frame 2 after the failed replay")
+        assert ingestor.stats.replays_requested == 1 and ingestor.stats.replays_failed == 1
+        assert ingestor.stats.purges == 1
+        assert held_tokens(index) == 0
+    finally:
+        await manager.stop_all()
+        await engine.close()
