@@ -59,7 +59,7 @@ def write_plots(out_dir: Path, runs: dict[str, Sequence[RequestRecord]], summari
         ax.set_title(f"{name}: in-flight requests per replica", fontsize=9)
         ax.set_ylabel("in flight")
     axes[-1, 0].set_xlabel("time since start (s)")
-    if runs:
+    if axes[0, 0].get_legend_handles_labels()[0]:
         axes[0, 0].legend(fontsize=6, ncol=4, loc="upper right")
     written.append(_save(fig, out_dir / "inflight_per_replica.png"))
 
