@@ -63,8 +63,6 @@ class KvEventSubscriber:
         self.reconnects = 0
         self._context = context or zmq.asyncio.Context.instance()
         self._task: asyncio.Task[None] | None = None
-        self.ready = asyncio.Event()
-        """Set once the SUB socket is connected and subscribed (ZMQ may still be completing the handshake)."""
 
     def start(self) -> asyncio.Task[None]:
         if self._task is None or self._task.done():
@@ -95,7 +93,6 @@ class KvEventSubscriber:
 
     async def _run(self) -> None:
         sock = self._connect()
-        self.ready.set()
         try:
             while True:
                 if not await sock.poll(self.idle_reconnect_s * 1000, zmq.POLLIN):
