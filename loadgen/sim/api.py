@@ -7,6 +7,7 @@ that goes away aborts its request at once (``handler_cancellation``); a replica 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 JSON = "application/json"
+MAX_BODY_BYTES = 256 * 1024 * 1024
+"""Long-context prompts sent as token-id lists run to megabytes; uvicorn (vLLM) sets no limit of its own."""
 DEFAULT_MAX_TOKENS = 16
 CACHE_SALT_MAX_LEN = 128
 CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
@@ -231,6 +234,8 @@ class ReplicaApi:
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise ApiError("stream_options must be an object", "stream_options")
+        if options is not None and not stream:
+            raise ApiError("Stream options can only be defined when `stream=True`.", "stream_options")
         include_usage = bool(options and options.get("include_usage"))
         salt = body.get("cache_salt")
         if salt is not None:
@@ -261,9 +266,10 @@ class ReplicaApi:
             remote = RemoteSource(ktp["remote_engine_id"], ktp["remote_request_id"])
         req = SimRequest(
             request_id=replica.next_request_id(),
-            prompt_ids=gen.prompt_ids,
+            prompt_len=len(gen.prompt_ids),
             max_tokens=gen.max_tokens,
             chain=block_chain(gen.prompt_ids, replica.params.block_size, gen.cache_salt),
+            text_seed=len(gen.prompt_ids) * 131 + sum(gen.prompt_ids[-4:]),
             prefill_only=bool(ktp.get("do_remote_decode")),
             remote=remote,
             streaming=gen.stream,
@@ -406,8 +412,18 @@ def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
+def make_request(
+    message: Any, payload: Any, protocol: Any, writer: Any, task: "asyncio.Task[None]"
+) -> web.BaseRequest:
+    """aiohttp's low-level request with a body limit fit for long prompts (its default is 1 MiB)."""
+    return web.BaseRequest(message, payload, protocol, writer, task, task.get_loop(), client_max_size=MAX_BODY_BYTES)
+
+
 async def _json_body(request: web.BaseRequest) -> dict[str, Any]:
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(f"request body larger than {MAX_BODY_BYTES} bytes", status=413) from None
     try:
         body = _json_decode(raw)
     except msgspec.DecodeError as e:

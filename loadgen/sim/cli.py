@@ -8,6 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
+import zmq
+
 from loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
 
 from .fleet import Fleet
@@ -115,7 +117,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(args))
+        runner = asyncio.run
     else:
-        uvloop.run(serve(args))
+        runner = uvloop.run
+    try:
+        runner(serve(args))
+    except (OSError, zmq.ZMQError, ValueError) as e:  # a port in use, a bad tokenizer path, ...
+        print(f"kvgate sim: {e}", file=sys.stderr)
+        return 1
     return 0

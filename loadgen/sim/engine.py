@@ -48,9 +48,12 @@ class RemoteSource:
 @dataclass(eq=False, slots=True)
 class SimRequest:
     request_id: str
-    prompt_ids: list[int]
+    prompt_len: int
     max_tokens: int
     chain: list[BlockKey]
+    """The prompt's full blocks; dropped when the request ends (records outlive requests, chains can be MBs)."""
+    text_seed: int = 0
+    """Picks the generated tokens: the same prompt always gets the same completion."""
     prefill_only: bool = False
     remote: RemoteSource | None = None
     streaming: bool = False
@@ -76,10 +79,6 @@ class SimRequest:
     first_token_wall: float | None = None
     kv_transfer_params_out: dict[str, Any] | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:
@@ -174,6 +173,7 @@ class Engine:
             self.pool.release(req.alloc)
         req.state = State.ABORTED
         req.abort_reason = reason
+        req.chain = []
         self.stats.requests_aborted += 1
         req.changed.set()
         self._wakeup.set()
@@ -184,6 +184,7 @@ class Engine:
         for req in [*self.waiting, *self.running]:
             req.state = State.ABORTED
             req.abort_reason = "restart"
+            req.chain = []
             self.stats.requests_aborted += 1
             req.changed.set()
         self.waiting.clear()
@@ -428,7 +429,7 @@ class Engine:
 
     def _emit_token(self, req: SimRequest) -> None:
         vocab = self.output_vocab
-        base = len(req.prompt_ids) * 131 + sum(req.prompt_ids[-4:]) + self.params.seed
+        base = req.text_seed + self.params.seed
         req.output.append(vocab[(base + 7 * len(req.output)) % len(vocab)])
         self.stats.generation_tokens += 1
         if len(req.output) >= req.max_tokens:
@@ -439,6 +440,7 @@ class Engine:
 
     def _finish(self, req: SimRequest) -> None:
         req.state = State.COMPLETED
+        req.chain = []
         self.stats.requests_completed += 1
         if req.prefill_only:
             self._grant_lease(req)

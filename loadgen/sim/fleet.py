@@ -21,7 +21,7 @@ import yaml
 import zmq.asyncio
 from aiohttp import web
 
-from .api import ReplicaApi
+from .api import ReplicaApi, make_request
 from .engine import Engine, SimRequest
 from .errors import ApiError
 from .metrics import metrics_registry
@@ -81,7 +81,9 @@ class Replica:
     async def start_http(self) -> None:
         if self._listener is not None:
             return
-        self._web_server = web.Server(self.api.handle, handler_cancellation=True, access_log=None)
+        self._web_server = web.Server(
+            self.api.handle, request_factory=make_request, handler_cancellation=True, access_log=None
+        )
         self._listener = await asyncio.get_running_loop().create_server(
             self._web_server, self.host, self.http_port, reuse_address=True, backlog=1024
         )

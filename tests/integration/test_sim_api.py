@@ -138,6 +138,8 @@ def test_cache_salt_separates_prefixes(client: openai.OpenAI) -> None:
         ({"model": MODEL, "prompt": "hi", "cache_salt": 5}, 400, "cache_salt"),
         ({"model": MODEL, "prompt": "hi", "kv_transfer_params": [1]}, 400, "kv_transfer_params"),
         ({"model": MODEL, "prompt": [5] * 70_000}, 400, "input_tokens"),
+        ({"model": MODEL, "prompt": [4000] * 300_000}, 400, "input_tokens"),  # 1.5 MB: above aiohttp's default cap
+        ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ([1, 2], 400, None),
     ],
 )

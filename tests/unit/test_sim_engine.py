@@ -45,7 +45,7 @@ async def h() -> AsyncIterator[Harness]:
 
 
 def request(tokens: list[int], max_tokens: int = 4, **kw: object) -> SimRequest:
-    return SimRequest(request_id=f"r{id(tokens)}-{len(tokens)}", prompt_ids=tokens, max_tokens=max_tokens,
+    return SimRequest(request_id=f"r{id(tokens)}-{len(tokens)}", prompt_len=len(tokens), max_tokens=max_tokens,
                       chain=block_chain(tokens, BS, kw.pop("salt", None)), **kw)  # type: ignore[arg-type]
 
 
