@@ -264,12 +264,15 @@ class ReplicaApi:
         if ktp.get("do_remote_prefill") and isinstance(ktp.get("remote_engine_id"), str) \
                 and isinstance(ktp.get("remote_request_id"), str):
             remote = RemoteSource(ktp["remote_engine_id"], ktp["remote_request_id"])
+        chain = block_chain(gen.prompt_ids, replica.params.block_size, gen.cache_salt)
         req = SimRequest(
             request_id=replica.next_request_id(),
             prompt_len=len(gen.prompt_ids),
             max_tokens=gen.max_tokens,
-            chain=block_chain(gen.prompt_ids, replica.params.block_size, gen.cache_salt),
+            chain=chain,
             text_seed=len(gen.prompt_ids) * 131 + sum(gen.prompt_ids[-4:]),
+            cache_salt=gen.cache_salt,
+            tail_tokens=gen.prompt_ids[len(chain) * replica.params.block_size :],
             prefill_only=bool(ktp.get("do_remote_decode")),
             remote=remote,
             streaming=gen.stream,

@@ -42,19 +42,26 @@ class BlockKey:
     """The request had a cache_salt: its events carry ``extra_keys`` (one entry per block, None after block 0)."""
 
 
+def next_block(
+    parent: BlockKey | None, tokens: Sequence[int], cache_salt: str | None = None, none_hash: bytes = NONE_HASH
+) -> BlockKey:
+    """The key of the full block after ``parent`` (None: block 0, which alone carries the salt)."""
+    first = parent is None
+    salted = cache_salt is not None and first
+    extra = (("cache_salt", cache_salt),) if salted else None
+    h = sha256_pickle((none_hash if parent is None else parent.block_hash, tuple(tokens), extra))
+    return BlockKey(
+        h, event_hash(h), None if parent is None else parent.event_hash, tuple(tokens),
+        (cache_salt,) if salted else None, cache_salt is not None,
+    )
+
+
 def block_chain(
     token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, none_hash: bytes = NONE_HASH
 ) -> list[BlockKey]:
     """The hash chain of every full block of ``token_ids`` (a trailing partial block is never hashed)."""
     chain: list[BlockKey] = []
-    parent = none_hash
-    parent_event: int | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        tokens = tuple(token_ids[start : start + block_size])
-        salted = cache_salt is not None and start == 0
-        extra = (("cache_salt", cache_salt),) if salted else None
-        h = sha256_pickle((parent, tokens, extra))
-        published = event_hash(h)
-        chain.append(BlockKey(h, published, parent_event, tokens, (cache_salt,) if salted else None, cache_salt is not None))
-        parent, parent_event = h, published
+        parent = chain[-1] if chain else None
+        chain.append(next_block(parent, token_ids[start : start + block_size], cache_salt, none_hash))
     return chain

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from cache_index.vllm_wire import AllBlocksCleared
 
-from .block_hash import BlockKey
+from .block_hash import BlockKey, next_block
 from .kv_cache import Allocation, BlockPool
 from .params import SimParams
 
@@ -54,6 +54,10 @@ class SimRequest:
     """The prompt's full blocks; dropped when the request ends (records outlive requests, chains can be MBs)."""
     text_seed: int = 0
     """Picks the generated tokens: the same prompt always gets the same completion."""
+    cache_salt: str | None = None
+    tail_tokens: list[int] = field(default_factory=list)
+    """Tokens after the last full block whose KV is computed: prompt tail, then generated tokens. When they fill a
+    block it is cached like a prompt block (vLLM caches generated blocks too; multi-turn chats hit them)."""
     prefill_only: bool = False
     remote: RemoteSource | None = None
     streaming: bool = False
@@ -78,6 +82,7 @@ class SimRequest:
     arrival_wall: float = field(default_factory=time.monotonic)
     first_token_wall: float | None = None
     kv_transfer_params_out: dict[str, Any] | None = None
+    last_key: BlockKey | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -156,6 +161,7 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------------------------------
     def submit(self, req: SimRequest) -> None:
+        req.last_key = req.chain[-1] if req.chain else None
         req.arrival_clock_ms = self.clock_ms
         self.stats.requests_submitted += 1
         self.stats.prompt_tokens += req.prompt_len
@@ -429,14 +435,23 @@ class Engine:
 
     def _emit_token(self, req: SimRequest) -> None:
         vocab = self.output_vocab
-        base = req.text_seed + self.params.seed
-        req.output.append(vocab[(base + 7 * len(req.output)) % len(vocab)])
+        if req.output:  # this step computed the KV of the previously sampled token
+            self._extend_cache(req, req.output[-1])
+        req.output.append(vocab[(req.text_seed + self.params.seed + 7 * len(req.output)) % len(vocab)])
         self.stats.generation_tokens += 1
         if len(req.output) >= req.max_tokens:
             self._finish(req)
             req.changed.set()
         elif req.streaming:
             req.changed.set()
+
+    def _extend_cache(self, req: SimRequest, token: int) -> None:
+        req.tail_tokens.append(token)
+        if len(req.tail_tokens) == self.params.block_size:
+            key = next_block(req.last_key, req.tail_tokens, req.cache_salt)
+            self.pool.commit(req.alloc, [key])
+            req.last_key = key
+            req.tail_tokens = []
 
     def _finish(self, req: SimRequest) -> None:
         req.state = State.COMPLETED

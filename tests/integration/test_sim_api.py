@@ -251,3 +251,16 @@ def test_restart_cuts_inflight_and_forgets_cache(sim: Sim, client: openai.OpenAI
     assert record(sim, 2, "cut-by-restart")["status"] == "aborted"
     again = httpx.post(sim.url(2) + "/v1/completions", json=body, timeout=5).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_second_chat_turn_hits_the_first_turns_answer(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": f"{uuid.uuid4()} " + "You are a helpful assistant. " * 10},
+                {"role": "user", "content": "Tell me a long story about the sea."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64)  # type: ignore[arg-type]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "more"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert first.usage is not None and second.usage is not None
+    computed = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the last sampled token has no KV
+    assert second.usage.prompt_tokens_details.cached_tokens == computed // 16 * 16  # type: ignore[union-attr]
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]

@@ -44,9 +44,10 @@ async def h() -> AsyncIterator[Harness]:
     await asyncio.gather(*harness.tasks, return_exceptions=True)
 
 
-def request(tokens: list[int], max_tokens: int = 4, **kw: object) -> SimRequest:
+def request(tokens: list[int], max_tokens: int = 4, salt: str | None = None, **kw: object) -> SimRequest:
+    chain = block_chain(tokens, BS, salt)
     return SimRequest(request_id=f"r{id(tokens)}-{len(tokens)}", prompt_len=len(tokens), max_tokens=max_tokens,
-                      chain=block_chain(tokens, BS, kw.pop("salt", None)), **kw)  # type: ignore[arg-type]
+                      chain=chain, cache_salt=salt, tail_tokens=tokens[len(chain) * BS:], **kw)  # type: ignore[arg-type]
 
 
 async def finish(req: SimRequest, timeout: float = 5.0) -> SimRequest:
@@ -75,6 +76,22 @@ async def test_repeat_prompt_hits_cache_and_is_faster(h: Harness) -> None:
     assert ttft(first) == pytest.approx(p.step_overhead_ms + p.request_overhead_ms + p.prefill_ms_per_token * 2000)
     assert ttft(second) < ttft(first) - 60  # 1984 cached tokens save ~69 ms of prefill
     assert e.stats.prefix_cache_hits == second.cached_tokens
+
+
+async def test_generated_blocks_are_cached_for_the_next_turn(h: Harness) -> None:
+    e = h.engine()
+    prompt = list(range(4000, 4040))  # 2 full blocks + 8 tokens
+    first = await finish(_submit(e, request(prompt, max_tokens=30, salt="s")))
+    stored = [ev for ev in h.events(0) if type(ev).__name__ == "BlockStored"]
+    # 40 + 29 tokens with computed KV (the last sampled token never is): 4 full blocks, 2 of them after the prompt
+    assert sum(len(ev.block_hashes) for ev in stored) == 4
+    assert stored[-1].token_ids[-16:] == (prompt + first.output)[48:64]
+    assert stored[-1].extra_keys == [None]  # salted request, block > 0
+    follow_up = prompt + first.output + [5000, 5001, 5002]
+    turn2 = await finish(_submit(e, request(follow_up, max_tokens=1, salt="s")))
+    assert turn2.cached_tokens == 64
+    other_salt = await finish(_submit(e, request(list(follow_up), max_tokens=1, salt="t")))
+    assert other_salt.cached_tokens == 0
 
 
 async def test_long_prompt_is_prefilled_in_chunks() -> None:
