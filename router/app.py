@@ -52,13 +52,15 @@ from router.proxy import (
     usage_of_body,
 )
 from router.reload import ConfigHolder
-from router.routing import Endpoint, FleetDispatcher, Routed, Router
+from router.routing import Endpoint, FleetDispatcher, PlannedWarmup, Routed, Router
 from router.tenants import AuthError, TenantResolver, cache_salt_for
 
 log = logging.getLogger("kvgate.app")
 
 CALIBRATION_REFRESH_S = 1.0
 """How often calibrated prefill coefficients are refitted and swapped in."""
+REPLICATION_INTERVAL_S = 0.5
+"""How often hot prefixes are checked for a warm-up (and cooled ones retired)."""
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -168,6 +170,7 @@ class Gateway:
         await self.fleet.start()
         await self.holder.start()
         self._spawn(self._calibration_loop())
+        self._spawn(self._replication_loop())
 
     async def stop(self) -> None:
         await self.holder.stop()
@@ -229,6 +232,52 @@ class Gateway:
             await asyncio.sleep(CALIBRATION_REFRESH_S)
             self.router.refresh_calibration()
 
+    async def _replication_loop(self) -> None:
+        """Plan hot-prefix warm-ups and run each in the background (routing then spreads the prefix by itself)."""
+        while True:
+            await asyncio.sleep(REPLICATION_INTERVAL_S)
+            try:
+                planned, retired = self.router.plan_warmups()
+            except Exception:  # a planning bug must not end replication for good
+                log.exception("replication planning failed")
+                continue
+            for done in retired:
+                log.info("replication retired", extra={"fields": {
+                    "prefix": done.prefix_key, "replicas": sorted(done.replicas), "reason": done.reason}})
+            for item in planned:
+                self._spawn(self._warm(item))
+
+    async def _warm(self, item: PlannedWarmup) -> None:
+        """One warm-up: a prefill-only request of the prefix's tokens on the target, its KV pulled from the source
+        first when ``via`` is ``transfer`` (a failed first leg falls back to prefilling)."""
+        warmup, prompt = item.warmup, item.prompt
+        log.info("replication started", extra={"fields": {
+            "prefix": warmup.prefix_key, "tokens": warmup.prefix_tokens, "target": warmup.target, "via": warmup.via,
+            "source": warmup.source, "reason": warmup.reason, "saving_ms_per_s": round(warmup.saving_ms_per_s, 1)}})
+        body: dict[str, Any] = {"model": prompt.model, "prompt": prompt.token_ids.tolist(), "max_tokens": 1,
+                                "stream": False}
+        if prompt.cache_salt is not None:
+            body["cache_salt"] = prompt.cache_salt
+        headers = {"content-type": "application/json", "x-request-id": f"kvgate-warmup-{uuid.uuid4().hex}"}
+        dispatcher = FleetDispatcher(self.fleet, lambda name: warmup.prefix_tokens if name == warmup.target else 0)
+        if warmup.via == "transfer" and warmup.source is not None:
+            params = await self.proxy.prefill_for_transfer(
+                "/v1/completions", body, headers, warmup.source, dispatcher, self.config.transfer.first_leg_timeout_s
+            )
+            self.metrics.transfers.labels("completed" if params is not None else "fallback").inc()
+            if params is not None:
+                body["kv_transfer_params"] = params
+        ok = False
+        try:
+            up = await self.proxy.forward(Forward("/v1/completions", _encode(body), headers, False, [warmup.target], 1),
+                                          dispatcher)
+            up.ticket.finish(True)
+            ok = up.status == 200
+        except AttemptFailed as failed:
+            log.warning("warm-up of %s failed: %s", warmup.target, failed)
+        item.routing.hot.warmup_finished(warmup.prefix_key, warmup.target, ok)
+        self.metrics.warmup_tokens.inc(warmup.prefix_tokens if ok else 0)
+
     def _register_collectors(self) -> None:
         m = self.metrics
         m.add_collector(ReplicaStateCollector(lambda: list(self.fleet.replicas.values())))
@@ -241,6 +290,7 @@ class Gateway:
             "Policy file reloads",
         )
         m.add_stats("kvgate_prefill", self.router.coefficients, "Prefill cost coefficients in force, by model")
+        m.add_stats("kvgate_replication", self.router.replication_counts, "Hot-prefix warm-ups by reason")
 
     def _count_retry(self, cause: str) -> None:
         self.metrics.retries.labels(cause).inc()
@@ -313,7 +363,7 @@ class Gateway:
         decision = routed.decision
         self.metrics.decisions.labels(decision.action, decision.reason).inc()
         self.metrics.route_seconds.observe(routed.route_ms / 1000.0)
-        dispatcher = FleetDispatcher(self.fleet, routed)
+        dispatcher = FleetDispatcher(self.fleet, routed.prefill_tokens)
         up_headers = self._upstream_headers(headers, request_id)
         if decision.action == "transfer" and decision.source:
             raw = await self._transfer(path, body, raw, up_headers, routed, dispatcher)
@@ -377,7 +427,7 @@ class Gateway:
         except ApiError as e:
             self._rejected(e, request_id, tenant, started)
             raise
-        dispatcher = _PassthroughDispatcher(self.fleet)
+        dispatcher = FleetDispatcher(self.fleet, lambda _: 0)
         fwd = Forward(path, raw, self._upstream_headers(headers, request_id), False, decision.ranked,
                       self.config.proxy.max_attempts)
         try:
@@ -495,24 +545,6 @@ class Gateway:
         elif not routed.request.approximate:
             request = routed.request
             self.router.observe(routed, replica, ttft_ms, request.prompt_tokens, routed.matched_tokens(replica))
-
-
-class _PassthroughDispatcher:
-    """Load accounting for requests with no prompt to prefill-count (embeddings)."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-
-    def url_of(self, name: str) -> str | None:
-        replica = self.fleet.replicas.get(name)
-        return replica.url if replica is not None else None
-
-    def routable(self, name: str) -> bool:
-        replica = self.fleet.replicas.get(name)
-        return replica is not None and replica.routable()
-
-    def dispatch(self, name: str) -> Any:
-        return self.fleet.dispatch(name, 0)
 
 
 def _int_header(headers: Headers, name: str) -> int | None:

@@ -53,7 +53,7 @@ class GatewayMetrics:
             "kvgate_decisions", "Routing decisions by action and reason.", ["action", "reason"], registry=r
         )
         self.ttft = Histogram(
-            "kvgate_ttft_seconds", "Time to first token (first streamed chunk, or full response when not streaming).",
+            "kvgate_ttft_seconds", "Time to first token (first streamed chunk; streaming requests only).",
             ["cache"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
@@ -72,6 +72,10 @@ class GatewayMetrics:
         )
         self.matched_tokens = Counter(
             "kvgate_matched_tokens", "Leading prompt tokens the index matched on the chosen replica.", registry=r
+        )
+        self.warmup_tokens = Counter(
+            "kvgate_warmup_tokens", "Prompt tokens prefilled by hot-prefix warm-ups (work spent on replication).",
+            registry=r,
         )
         self.transfers = Counter(
             "kvgate_transfers", "KV transfer handshakes by result (completed, fallback).", ["result"], registry=r

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,6 +30,7 @@ from policies.cost_model import CostModel
 from policies.explain import explain_replicas
 from policies.least_loaded import LeastLoadedPolicy
 from policies.registry import create_policy
+from policies.replication import HotPrefixTracker, Retired, Warmup
 from router.fleet import Fleet, LoadTicket
 from router.prompts import PromptTokenizer, TokenizedPrompt
 
@@ -35,6 +38,10 @@ Endpoint = Literal["completions", "chat"]
 
 SESSION_MEMORY = 100_000
 """X-Session-ID → last replica entries kept (least recently used forgotten first)."""
+WARM_PROMPTS = 256
+"""Prompts of nearly hot prefixes kept to run their warm-ups with (least recently used forgotten first)."""
+WARM_PROMPT_HEAT = 0.5
+"""A prefix's prompt is kept once its heat reaches this fraction of ``replication.min_saving_ms_per_s``."""
 
 
 @dataclass(slots=True)
@@ -45,6 +52,23 @@ class ModelRouting:
     cost_model: CostModel
     policy: Policy
     calibrator: Calibrator | None
+    hot: HotPrefixTracker
+
+
+@dataclass(frozen=True, slots=True)
+class WarmPrompt:
+    """What a warm-up sends: the prefix's own token ids, under the same model and cache salt (same namespace)."""
+
+    model: str
+    cache_salt: str | None
+    token_ids: array[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedWarmup:
+    warmup: Warmup
+    prompt: WarmPrompt
+    routing: ModelRouting
 
 
 @dataclass(slots=True)
@@ -58,6 +82,7 @@ class Routed:
     tokenized: TokenizedPrompt
     routing: ModelRouting
     route_ms: float
+    cache_salt: str | None = None
 
     def matched_tokens(self, replica: str) -> int:
         view = self.views.get(replica)
@@ -74,11 +99,11 @@ class Routed:
 
 @dataclass(slots=True)
 class FleetDispatcher:
-    """The proxy's view of the fleet for one routed request (router.proxy.Dispatcher)."""
+    """The proxy's view of the fleet for one request (router.proxy.Dispatcher); ``prefill_tokens(replica)`` is the
+    uncached work a dispatch there adds (``Routed.prefill_tokens`` for routed requests)."""
 
     fleet: Fleet
-    routed: Routed
-    tickets: list[LoadTicket] = field(default_factory=list)
+    prefill_tokens: Callable[[str], int]
 
     def url_of(self, name: str) -> str | None:
         replica = self.fleet.replicas.get(name)
@@ -89,9 +114,7 @@ class FleetDispatcher:
         return replica is not None and replica.routable()
 
     def dispatch(self, name: str) -> LoadTicket:
-        ticket = self.fleet.dispatch(name, self.routed.prefill_tokens(name))
-        self.tickets.append(ticket)
-        return ticket
+        return self.fleet.dispatch(name, self.prefill_tokens(name))
 
 
 class Router:
@@ -111,11 +134,13 @@ class Router:
         self.tokenizer_models = config.models
         self.rng = rng or random.Random()
         self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._warm_prompts: OrderedDict[Hashable, WarmPrompt] = OrderedDict()
         self._least_loaded = LeastLoadedPolicy(self.rng)
         self.apply_config(config)
 
     def apply_config(self, config: KvgateConfig) -> None:
-        """A new policy file: fresh policies and cost models per model (calibration restarts from the file's values)."""
+        """A new policy file: fresh policies, cost models and hot-prefix trackers per model (calibration restarts
+        from the file's values)."""
         self.config = config
         self._models: dict[str, ModelRouting] = {}
 
@@ -126,7 +151,8 @@ class Router:
             cost_model = CostModel.from_config(self.config, base_model)
             policy = create_policy(self.config.policy.name, self.config, cost_model, self.rng)
             calibrator = Calibrator(self.config.calibration, cfg.prefill) if self.config.calibration.enabled else None
-            routing = self._models[base_model] = ModelRouting(cfg, cost_model, policy, calibrator)
+            hot = HotPrefixTracker(self.config.replication)
+            routing = self._models[base_model] = ModelRouting(cfg, cost_model, policy, calibrator, hot)
         return routing
 
     def coefficients(self) -> dict[str, dict[str, float]]:
@@ -192,7 +218,7 @@ class Router:
         )
         decision = routing.policy.decide(request, list(views.values()))
         route_ms = (time.perf_counter() - started) * 1000.0 + tokenized.cpu_ms
-        return Routed(request, decision, views, keys, tokenized, routing, route_ms)
+        return Routed(request, decision, views, keys, tokenized, routing, route_ms, cache_salt)
 
     def route_passthrough(self, model: str) -> Decision:
         """Least-loaded choice for requests with no prompt to match (embeddings)."""
@@ -204,15 +230,64 @@ class Router:
         return self._least_loaded.decide(request, views)
 
     def dispatched(self, routed: Routed, replica: str) -> None:
-        """The request is on its way to ``replica``: predict its blocks there, remember the session's replica."""
+        """The request is on its way to ``replica``: predict its blocks there, remember the session's replica, count
+        its prefix's heat."""
         if routed.keys:
             self.index.predict(replica, routed.keys)
+            self._record_prefix(routed)
         session_id = routed.request.session_id
         if session_id:
             self._sessions[session_id] = replica
             self._sessions.move_to_end(session_id)
             if len(self._sessions) > SESSION_MEMORY:
                 self._sessions.popitem(last=False)
+
+    def _record_prefix(self, routed: Routed) -> None:
+        """Heat of the deepest prefix any replica holds (the chain key of its last block identifies it)."""
+        block_size = routed.request.block_size
+        deepest = max((v.match.total for v in routed.views.values()), default=0)
+        blocks = min(deepest // block_size, len(routed.keys))
+        if blocks == 0:
+            return
+        key = routed.keys[blocks - 1]
+        tokens = blocks * block_size
+        holders = {name for name, v in routed.views.items() if v.match.total >= tokens}
+        routing = routed.routing
+        now = time.monotonic()
+        routing.hot.record(key, tokens, holders, now)
+        heat = routing.hot.heat_ms_per_s(key, routing.cost_model, now)
+        if heat >= WARM_PROMPT_HEAT * self.config.replication.min_saving_ms_per_s:
+            if key not in self._warm_prompts:
+                ids = array("I", routed.tokenized.token_ids[:tokens])
+                self._warm_prompts[key] = WarmPrompt(routed.request.model, routed.cache_salt, ids)
+            self._warm_prompts.move_to_end(key)
+            if len(self._warm_prompts) > WARM_PROMPTS:
+                self._warm_prompts.popitem(last=False)
+
+    def plan_warmups(self) -> tuple[list[PlannedWarmup], list[Retired]]:
+        """Warm-ups to start now for hot prefixes, and warmed replicas no longer counted (prefixes that cooled)."""
+        now = time.monotonic()
+        planned: list[PlannedWarmup] = []
+        retired: list[Retired] = []
+        for routing in self._models.values():
+            retired += routing.hot.retire(routing.cost_model, now)
+            views = [self.fleet.view(name, PrefixMatch()) for name in self.fleet.replicas]
+            for warmup in routing.hot.plan(views, routing.cost_model, now):
+                prompt = self._warm_prompts.get(warmup.prefix_key)
+                if prompt is None:
+                    routing.hot.warmup_finished(warmup.prefix_key, warmup.target, ok=False)
+                    continue
+                planned.append(PlannedWarmup(warmup, prompt, routing))
+        return planned, retired
+
+    def replication_counts(self) -> dict[str, dict[str, int]]:
+        """Warm-ups started / failed / skipped and replicas retired, by reason, summed over models (for metrics)."""
+        out: dict[str, dict[str, int]] = {}
+        for routing in self._models.values():
+            for (event, reason), count in routing.hot.counts.items():
+                out.setdefault(event, {})
+                out[event][reason] = out[event].get(reason, 0) + count
+        return out
 
     def observe(self, routed: Routed, replica: str, ttft_ms: float, prompt_tokens: int, cached_tokens: int) -> None:
         """A measured first token: a sample for the model's calibrator (bounded, robust fit)."""

@@ -1,0 +1,289 @@
+"""Router overhead: kvgate vs calling one sim replica directly, side by side with a bare proxy and the SGLang gateway.
+
+Starts ``kvgate sim --replicas 1 --time-scale 0`` and, in front of it, kvgate (``kvgate serve``), a bare FastAPI +
+aiohttp proxy (the floor any Python proxy pays), and the SGLang Model Gateway (``sglang_router``, cache_aware) when it
+is importable. The driver (this process, aiohttp) sends the same requests to each target in turn, per scenario:
+2,000- and 100,000-character prompts (a shared document plus a per-request question, so kvgate's tokenizer cache is
+warm the way a growing chat or a shared document keeps it), streaming and not, at concurrency 1 and 64.
+
+Printed per target and scenario: median and p99 latency, added median vs direct, requests/s, the target process's
+CPU time per request (utime+stime of its whole process group from /proc, so tokenizer threads and Rust workers
+count), and for streams the median TTFT and the largest gap between chunks (a Nagle / delayed-ACK stall shows as
+~40 ms). Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick]``.
+"""
+
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.support import KVGATE, ManagedProcess, port_block  # noqa: E402
+
+MODEL = "kvgate-sim"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# --- the bare proxy baseline (run as a subprocess: `bench_overhead.py bare-proxy --port P --upstream URL`) --------
+
+
+def run_bare_proxy(port: int, upstream: str) -> None:
+    """The least a FastAPI + aiohttp proxy can do: forward the body, relay the answer (streamed when it is SSE)."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from starlette.responses import Response, StreamingResponse
+
+    app = FastAPI()
+    state: dict[str, aiohttp.ClientSession] = {}
+
+    @app.on_event("startup")
+    async def startup() -> None:
+        state["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit_per_host=256))
+
+    @app.post("/v1/{path:path}")
+    async def forward(path: str, request: Request) -> Response:
+        body = await request.body()
+        resp = await state["session"].post(f"{upstream}/v1/{path}", data=body,
+                                           headers={"content-type": "application/json"})
+        if resp.content_type == "text/event-stream":
+            async def relay():  # type: ignore[no-untyped-def]
+                try:
+                    async for chunk in resp.content.iter_any():
+                        yield chunk
+                finally:
+                    resp.release()
+
+            return StreamingResponse(relay(), status_code=resp.status, media_type="text/event-stream")
+        data = await resp.read()
+        return Response(data, status_code=resp.status, media_type="application/json")
+
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", access_log=False,
+                log_level="warning")
+
+
+# --- targets -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    process: ManagedProcess | None
+
+    def cpu_seconds(self) -> float:
+        """utime + stime of every process in the target's process group (0 for the direct target)."""
+        if self.process is None:
+            return 0.0
+        pgid = self.process.pid
+        total = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid:  # pgrp
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / CLK_TCK
+
+
+def start_targets(tmp: Path, with_sglang: bool) -> tuple[ManagedProcess, list[Target]]:
+    sim_port, zmq_port = port_block(1), port_block(2)
+    fleet = tmp / "fleet.yaml"
+    sim = ManagedProcess(
+        [*KVGATE, "sim", "--replicas", "1", "--port", str(sim_port), "--zmq-port", str(zmq_port), "--time-scale", "0",
+         "--max-model-len", "200000", "--kv-blocks", "32768", "--write-config", str(fleet)],
+        tmp / "sim.log",
+    ).start()
+    sim_url = f"http://127.0.0.1:{sim_port}"
+    sim.wait_http(sim_url + "/health", 60)
+    targets = [Target("direct", sim_url, None)]
+
+    bare_port = port_block(1)
+    bare = ManagedProcess([sys.executable, __file__, "bare-proxy", "--port", str(bare_port), "--upstream", sim_url],
+                          tmp / "bare.log").start()
+    targets.append(Target("bare-proxy", f"http://127.0.0.1:{bare_port}", bare))
+
+    kv_port = port_block(1)
+    kvgate = ManagedProcess([*KVGATE, "serve", "--config", str(fleet), "--port", str(kv_port), "--log-level",
+                             "warning"], tmp / "kvgate.log").start()
+    targets.append(Target("kvgate", f"http://127.0.0.1:{kv_port}", kvgate))
+
+    if with_sglang:
+        sg_port, sg_metrics = port_block(1), port_block(1)
+        sglang = ManagedProcess(
+            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", sim_url, "--policy", "cache_aware",
+             "--host", "127.0.0.1", "--port", str(sg_port), "--prometheus-port", str(sg_metrics), "--log-level",
+             "error"],
+            tmp / "sglang.log",
+        ).start()
+        targets.append(Target("sglang-gateway", f"http://127.0.0.1:{sg_port}", sglang))
+    for t in targets[1:]:
+        assert t.process is not None
+        t.process.wait_http(t.url + "/v1/models" if t.name != "sglang-gateway" else t.url + "/health", 60)
+    return sim, targets
+
+
+# --- the driver --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    latencies_ms: list[float]
+    ttfts_ms: list[float]
+    max_gap_ms: float
+    wall_s: float
+    cpu_s: float
+    errors: int
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict, stream: bool) -> tuple[float, float, float]:
+    started = time.perf_counter()
+    first = 0.0
+    max_gap = 0.0
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+        if stream:
+            last = None
+            async for _ in resp.content.iter_any():
+                now = time.perf_counter()
+                if last is None:
+                    first = now - started
+                else:
+                    max_gap = max(max_gap, now - last)
+                last = now
+        else:
+            await resp.read()
+    return (time.perf_counter() - started) * 1000.0, first * 1000.0, max_gap * 1000.0
+
+
+async def drive(target: Target, document: str, stream: bool, concurrency: int, requests: int) -> Result:
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        def body(i: int) -> dict:
+            return {"model": MODEL, "prompt": f"{document}\nQuestion {i}: what follows?", "max_tokens": 16,
+                    "stream": stream}
+
+        for i in range(min(20, requests)):  # warm connections and caches
+            await one_request(session, target.url, body(-i - 1), stream)
+        queue = iter(range(requests))
+        latencies: list[float] = []
+        ttfts: list[float] = []
+        gaps: list[float] = []
+        errors = 0
+
+        async def worker() -> None:
+            nonlocal errors
+            for i in queue:
+                try:
+                    latency, ttft, gap = await one_request(session, target.url, body(i), stream)
+                except Exception:
+                    errors += 1
+                    continue
+                latencies.append(latency)
+                ttfts.append(ttft)
+                gaps.append(gap)
+
+        cpu0 = target.cpu_seconds()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+        cpu = target.cpu_seconds() - cpu0
+    return Result(latencies, ttfts, max(gaps) if gaps else 0.0, wall, cpu, errors)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def make_document(chars: int) -> str:
+    """Text of ``chars`` characters in paragraphs of ~800 (documents have paragraph breaks; kvgate's tokenizer cache
+    splits long text at them)."""
+    words = "the router keeps every cached prefix warm while replicas share the load fairly".split()
+    out: list[str] = []
+    size = 0
+    i = 0
+    while size < chars:
+        w = words[i % len(words)] + str(i % 97)
+        out.append(w + ("\n\n" if i % 110 == 109 else " "))
+        size += len(out[-1])
+        i += 1
+    return "".join(out)[:chars]
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    with_sglang = importlib.util.find_spec("sglang_router") is not None and not args.no_sglang
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        sim, targets = start_targets(Path(tmp), with_sglang)
+        try:
+            scale = 0.25 if args.quick else 1.0
+            scenarios = [
+                (2_000, False, 1, 400), (2_000, True, 1, 400), (2_000, False, 64, 3000), (2_000, True, 64, 3000),
+                (100_000, False, 1, 60), (100_000, True, 1, 60), (100_000, False, 64, 200), (100_000, True, 64, 200),
+            ]
+            print(f"targets: {', '.join(t.name for t in targets)}"
+                  + ("" if with_sglang else "  (sglang_router not importable: SGLang gateway skipped)"))
+            header = (f"{'chars':>7} {'stream':>6} {'conc':>4}  {'target':<15}{'p50 ms':>8}{'p99 ms':>8}{'added':>8}"
+                      f"{'req/s':>8}{'cpu/req ms':>11}{'ttft ms':>9}{'max gap':>8}{'err':>5}")
+            print(header)
+            for chars, stream, concurrency, n in scenarios:
+                document = make_document(chars)
+                results: dict[str, Result] = {}
+                for target in targets:
+                    results[target.name] = await drive(target, document, stream, concurrency, max(20, int(n * scale)))
+                direct = statistics.median(results["direct"].latencies_ms)
+                for name, r in results.items():
+                    done = len(r.latencies_ms)
+                    p50 = statistics.median(r.latencies_ms) if done else float("nan")
+                    cpu_req = r.cpu_s / done * 1000.0 if done and name != "direct" else float("nan")
+                    ttft = statistics.median(r.ttfts_ms) if stream and done else float("nan")
+                    print(f"{chars:>7} {str(stream):>6} {concurrency:>4}  {name:<15}{p50:>8.2f}"
+                          f"{percentile(r.latencies_ms, 0.99):>8.2f}{p50 - direct:>8.2f}{done / r.wall_s:>8.0f}"
+                          f"{cpu_req:>11.3f}{ttft:>9.2f}{r.max_gap_ms if stream else float('nan'):>8.1f}"
+                          f"{r.errors:>5}")
+                print()
+        finally:
+            for target in targets:
+                if target.process is not None:
+                    target.process.stop()
+            sim.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode")
+    bare = sub.add_parser("bare-proxy")
+    bare.add_argument("--port", type=int, required=True)
+    bare.add_argument("--upstream", required=True)
+    parser.add_argument("--quick", action="store_true", help="a quarter of the requests per scenario")
+    parser.add_argument("--no-sglang", action="store_true", help="skip the SGLang gateway even when installed")
+    args = parser.parse_args()
+    if args.mode == "bare-proxy":
+        run_bare_proxy(args.port, args.upstream)
+        return
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

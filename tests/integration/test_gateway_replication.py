@@ -1,0 +1,78 @@
+"""Hot-prefix replication executed by the gateway against a real sim fleet: a warm-up request makes a second replica
+hold a hot prefix whose holder is busy; a cold prefix is never warmed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.test_gateway import MODEL, gateway_config, metric_value, sim_requests, wait_until
+from tests.support import Gateway, Sim, start_kvgate, start_sim
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Sim, Gateway]]:
+    workdir = tmp_path_factory.mktemp("replication")
+    sim = start_sim(workdir, 2, "--time-scale", "1")
+    try:
+        config = gateway_config(
+            sim, workdir, "kvgate.yaml",
+            replication={"min_saving_ms_per_s": 20.0, "min_prefix_tokens": 64, "half_life_s": 10.0},
+        )
+        # prefix_affinity keeps every request of a matched prefix on its holder, so the holder gets busy
+        gw = start_kvgate(workdir, config, "--policy", "prefix_affinity")
+    except Exception:
+        sim.stop()
+        raise
+    yield sim, gw
+    gw.stop()
+    sim.stop()
+
+
+def warmups(sim: Sim) -> list[dict]:
+    return [
+        r for i in range(sim.replicas) for r in sim_requests(sim, i)
+        if (r["headers"]["x-request-id"] or "").startswith("kvgate-warmup-")
+    ]
+
+
+def holders(gw: Gateway, prompt: str) -> set[str]:
+    body = httpx.post(gw.url + "/kvgate/v1/explain", json={"model": MODEL, "prompt": prompt}, timeout=5).json()
+    return {r["name"] for r in body["replicas"] if r["cached_tokens"]["gpu"] >= 256}
+
+
+def test_cold_prefix_is_not_replicated_and_hot_prefix_is(fleet: tuple[Sim, Gateway]) -> None:
+    sim, gw = fleet
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    cold = "a cold document nobody asks about twice " * 40
+    for i in range(3):
+        client.completions.create(model=MODEL, prompt=f"{cold} question {i}", max_tokens=2)
+    hot = "the hot shared system prompt everyone uses " * 60
+
+    async def burst() -> None:
+        aclient = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        sem = asyncio.Semaphore(16)
+
+        async def one(i: int) -> None:
+            async with sem:
+                await aclient.completions.create(model=MODEL, prompt=f"{hot} question {i}", max_tokens=20)
+
+        await asyncio.gather(*(one(i) for i in range(64)))
+        await aclient.close()
+
+    asyncio.run(burst())
+    warmed = wait_until(lambda: warmups(sim), timeout=10)
+    assert all(r["status"] == "completed" and r["completion_tokens"] == 1 for r in warmed)
+    assert metric_value(gw, "kvgate_replication_started") >= 1
+    assert metric_value(gw, "kvgate_warmup_tokens_total") >= 256
+    wait_until(lambda: holders(gw, hot) == {"sim-0", "sim-1"}, timeout=10)
+    # the cold document was never warmed anywhere: only one replica holds it
+    assert len(holders(gw, cold)) == 1
+    assert all(r["prompt_tokens"] >= 256 and r["prompt_tokens"] % 16 == 0 for r in warmed)
