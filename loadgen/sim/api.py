@@ -58,6 +58,7 @@ class Generation:
     cache_salt: str | None
     kv_transfer_params: dict[str, Any] | None
     request_id: str
+    session_id: str | None
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -255,7 +256,9 @@ class ReplicaApi:
                 f"This model's maximum context length is {p.max_model_len} tokens. However, you requested "
                 f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion). "
                 "Please reduce the length of the messages or completion.", "input_tokens")
-        return Generation(endpoint, ids, max_tokens, stream, include_usage, salt, ktp, _request_id(request))
+        return Generation(
+            endpoint, ids, max_tokens, stream, include_usage, salt, ktp, _request_id(request), _session_id(request, body)
+        )
 
     async def _serve(self, request: web.BaseRequest, gen: Generation, chat: bool) -> web.StreamResponse:
         replica = self.replica
@@ -272,6 +275,7 @@ class ReplicaApi:
             chain=chain,
             text_seed=len(gen.prompt_ids) * 131 + sum(gen.prompt_ids[-4:]),
             cache_salt=gen.cache_salt,
+            session_id=gen.session_id,
             tail_tokens=gen.prompt_ids[len(chain) * replica.params.block_size :],
             prefill_only=bool(ktp.get("do_remote_decode")),
             remote=remote,
@@ -406,6 +410,14 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 def _request_id(request: web.BaseRequest) -> str:
     return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+
+def _session_id(request: web.BaseRequest, body: dict[str, Any]) -> str | None:
+    """vLLM 0.33's order: the body's ``session_id``, then the X-Session-ID header, then ``vllm_xargs.session_id``."""
+    xargs = body.get("vllm_xargs")
+    candidates = [body.get("session_id"), request.headers.get("X-Session-ID"),
+                  xargs.get("session_id") if isinstance(xargs, dict) else None]
+    return next((c for c in candidates if isinstance(c, str) and c), None)
 
 
 def _bool(body: dict[str, Any], key: str, default: bool) -> bool:

@@ -55,6 +55,8 @@ class SimRequest:
     text_seed: int = 0
     """Picks the generated tokens: the same prompt always gets the same completion."""
     cache_salt: str | None = None
+    session_id: str | None = None
+    """vLLM 0.33's session id (body ``session_id``, else header X-Session-ID, else ``vllm_xargs.session_id``)."""
     tail_tokens: list[int] = field(default_factory=list)
     """Tokens after the last full block whose KV is computed: prompt tail, then generated tokens. When they fill a
     block it is cached like a prompt block (vLLM caches generated blocks too; multi-turn chats hit them)."""
@@ -404,7 +406,7 @@ class Engine:
 
     def _finish_load(self, req: SimRequest) -> None:
         """Loaded (CPU) or pulled (peer) blocks are now on this GPU: cache and announce them."""
-        self.pool.commit(req.alloc, req.pending_load)
+        self.pool.commit(req.alloc, req.pending_load, req.session_id)
         req.pending_load = []
         if req.remote is not None and req.transferred_tokens:
             source = self.peers.get(req.remote.engine_id)
@@ -421,7 +423,7 @@ class Engine:
             self.stats.prefill_tokens_computed += n
             full = min(req.num_computed // bs, len(req.chain))
             if full > req.committed_blocks:
-                self.pool.commit(req.alloc, req.chain[req.committed_blocks : full])
+                self.pool.commit(req.alloc, req.chain[req.committed_blocks : full], req.session_id)
                 req.committed_blocks = full
             if req.num_computed == req.prompt_len:
                 req.first_token_clock_ms = self.clock_ms
@@ -449,7 +451,7 @@ class Engine:
         req.tail_tokens.append(token)
         if len(req.tail_tokens) == self.params.block_size:
             key = next_block(req.last_key, req.tail_tokens, req.cache_salt)
-            self.pool.commit(req.alloc, [key])
+            self.pool.commit(req.alloc, [key], req.session_id)
             req.last_key = key
             req.tail_tokens = []
 

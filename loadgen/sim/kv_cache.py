@@ -98,21 +98,22 @@ class BlockPool:
         alloc.private_slots += n
         return True
 
-    def commit(self, alloc: Allocation, keys: list[BlockKey], medium_source: str = GPU) -> None:
-        """Turn private slots holding newly computed (or loaded) full blocks into cached blocks and announce them.
+    def commit(self, alloc: Allocation, keys: list[BlockKey], session_id: str | None = None) -> None:
+        """Turn private slots holding newly computed (or loaded) full blocks into cached blocks and announce them
+        (vLLM 0.33 stamps the request's session id on its events).
 
         A hash already cached (another request computed it concurrently) stays private and unannounced."""
         run: list[BlockKey] = []
         for key in keys:
             if key.block_hash in self.gpu or alloc.private_slots == 0:
-                self._announce(run, GPU)
+                self._announce(run, GPU, session_id)
                 run = []
                 continue
             alloc.private_slots -= 1
             self.gpu[key.block_hash] = CachedBlock(key, self._new_block_id(), ref_count=1)
             alloc.pinned.append(key.block_hash)
             run.append(key)
-        self._announce(run, GPU)
+        self._announce(run, GPU, session_id)
 
     def release(self, alloc: Allocation) -> None:
         """Drop a request's hold; its cached blocks become evictable, tail first (vLLM frees blocks in reverse)."""
@@ -169,7 +170,7 @@ class BlockPool:
         self.cpu[key.block_hash] = key
         self._announce([key], CPU)
 
-    def _announce(self, run: list[BlockKey], medium: str) -> None:
+    def _announce(self, run: list[BlockKey], medium: str, session_id: str | None = None) -> None:
         if not run:
             return
         salted = any(k.salted for k in run)
@@ -183,5 +184,6 @@ class BlockPool:
                 medium=medium,
                 lora_name=None,
                 extra_keys=[k.event_extra_keys for k in run] if salted else None,
+                session_id=session_id,
             )
         )

@@ -228,3 +228,13 @@ def test_delayed_events_keep_order(sim: Sim, sub: Subscriber) -> None:
         assert seqs == sorted(seqs)
     finally:
         fault(sim, 0, action="delay_events", ms=0)
+
+
+def test_session_id_is_stamped_on_events(sim: Sim, sub: Subscriber) -> None:
+    prompt = [6500 + j for j in range(40)]
+    r = httpx.post(sim.url(0) + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+                   headers={"X-Session-ID": "conv-7"}, timeout=5)
+    assert r.status_code == 200
+    frames = sub.until(stored_tokens(prompt))
+    (event,) = [e for e in msgspec.msgpack.decode(frames[-1][2])[1] if e["type"] == "BlockStored"]
+    assert event["session_id"] == "conv-7"
