@@ -99,11 +99,13 @@ class ReplicaApi:
     # --- OpenAI endpoints ----------------------------------------------------------------------------------------
     async def completions(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await _json_body(request)
+        self._check_model(body)
         gen = self._generation(request, body, "/v1/completions", self._completion_prompt(body))
         return await self._serve(request, gen, chat=False)
 
     async def chat_completions(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await _json_body(request)
+        self._check_model(body)
         gen = self._generation(request, body, "/v1/chat/completions", self._chat_prompt(body))
         return await self._serve(request, gen, chat=True)
 
@@ -218,7 +220,6 @@ class ReplicaApi:
             raise ApiError(f"chat template error: {e}", "messages") from None
 
     def _generation(self, request: web.BaseRequest, body: dict[str, Any], endpoint: str, ids: list[int]) -> Generation:
-        self._check_model(body)
         p = self.replica.params
         if not ids:
             raise ApiError("Prompt cannot be empty", "prompt")

@@ -468,8 +468,7 @@ class Engine:
         """Keep a prefill-only request's cached blocks pinned for a remote decode (NixlConnector's P side)."""
         self.pool.free_slots += req.alloc.private_slots
         req.alloc.private_slots = 0
-        self.release_lease(req.request_id, expired=True)
-        lease = Lease(req.alloc, frozenset(req.alloc.pinned))
+        lease = Lease(req.alloc, frozenset(b.key.block_hash for b in req.alloc.pinned))
         lease.timer = asyncio.get_running_loop().call_later(
             self.params.transfer_lease_s, self.release_lease, req.request_id, True
         )
@@ -478,7 +477,7 @@ class Engine:
         req.kv_transfer_params_out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": [self.pool.block_ids(req.alloc.pinned)],
+            "remote_block_ids": [[b.block_id for b in req.alloc.pinned]],
             "remote_engine_id": self.engine_id,
             "remote_request_id": req.request_id,
             "remote_host": "127.0.0.1",

@@ -31,9 +31,9 @@ class CachedBlock:
 
 @dataclass(slots=True)
 class Allocation:
-    """The blocks one request holds: cached blocks it pins (by hash, in chain order) and private (uncached) slots."""
+    """The blocks one request holds: cached blocks it pins (in chain order) and private (uncached) slots."""
 
-    pinned: list[bytes] = field(default_factory=list)
+    pinned: list[CachedBlock] = field(default_factory=list)
     private_slots: int = 0
 
 
@@ -75,9 +75,6 @@ class BlockPool:
             cpu += 1
         return PrefixHit(gpu, cpu)
 
-    def block_ids(self, hashes: Iterable[bytes]) -> list[int]:
-        return [self.gpu[h].block_id for h in hashes if h in self.gpu]
-
     # --- allocation ----------------------------------------------------------------------------------------------
     def pin(self, alloc: Allocation, keys: Iterable[BlockKey]) -> None:
         """Reference cached GPU blocks (prefix hits): they leave the eviction queue while pinned."""
@@ -86,7 +83,7 @@ class BlockPool:
             if block.ref_count == 0:
                 self.evictable.pop(key.block_hash, None)
             block.ref_count += 1
-            alloc.pinned.append(key.block_hash)
+            alloc.pinned.append(block)
 
     def allocate(self, alloc: Allocation, n: int) -> bool:
         """Give ``n`` private slots to a request, evicting LRU unreferenced blocks if needed; False if they do not fit."""
@@ -110,8 +107,9 @@ class BlockPool:
                 run = []
                 continue
             alloc.private_slots -= 1
-            self.gpu[key.block_hash] = CachedBlock(key, self._new_block_id(), ref_count=1)
-            alloc.pinned.append(key.block_hash)
+            block = CachedBlock(key, self._new_block_id(), ref_count=1)
+            self.gpu[key.block_hash] = block
+            alloc.pinned.append(block)
             run.append(key)
         self._announce(run, GPU, session_id)
 
@@ -119,9 +117,9 @@ class BlockPool:
         """Drop a request's hold; its cached blocks become evictable, tail first (vLLM frees blocks in reverse)."""
         self.free_slots += alloc.private_slots
         alloc.private_slots = 0
-        for h in reversed(alloc.pinned):
-            block = self.gpu.get(h)
-            if block is None:  # forgotten by a prefix-cache reset while pinned: the slot is private now
+        for block in reversed(alloc.pinned):
+            h = block.key.block_hash
+            if self.gpu.get(h) is not block:  # forgotten by a prefix-cache reset while pinned: the slot is private
                 self.free_slots += 1
                 continue
             block.ref_count -= 1

@@ -124,6 +124,7 @@ def test_cache_salt_separates_prefixes(client: openai.OpenAI) -> None:
         (b"{not json", 400, None),
         ({"prompt": "hi"}, 400, "model"),
         ({"model": "nope", "prompt": "hi"}, 404, "model"),
+        ({"model": "nope", "prompt": 42}, 404, "model"),  # the model is checked first, as vLLM does
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),
         ({"model": MODEL, "prompt": []}, 400, "prompt"),
         ({"model": MODEL, "prompt": 42}, 400, "prompt"),

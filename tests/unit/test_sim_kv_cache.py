@@ -101,3 +101,16 @@ def test_duplicate_hash_stays_private() -> None:
     pool.release(first)
     pool.release(second)
     assert pool.free_slots + len(pool.evictable) == 4
+
+
+def test_release_after_reset_leaves_a_recached_block_alone() -> None:
+    pool = BlockPool(4, 4)
+    old = fill(pool, [1, 2, 3, 4])
+    pool.reset()
+    new = fill(pool, [1, 2, 3, 4])  # the same hash, cached again by another request
+    pool.release(old)
+    chain = block_chain([1, 2, 3, 4, 0], 4)
+    assert pool.gpu[chain[0].block_hash].ref_count == 1, "the old holder must not unpin the new block"
+    assert not pool.evictable
+    pool.release(new)
+    assert pool.free_slots + len(pool.evictable) == 4
