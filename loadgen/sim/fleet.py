@@ -105,7 +105,9 @@ class Replica:
         return f"{self._id_prefix}-{next(self._request_ids)}"
 
     def restart(self) -> None:
+        """A fresh engine process: nothing of the old one survives, not even a fault it was put in."""
         self.engine.restart()
+        self.engine.unstall()
         self.publisher.reset()
         self.healthy = True
 

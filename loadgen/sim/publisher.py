@@ -106,9 +106,13 @@ class EventPublisher:
             if not self.replay_enabled:
                 continue
             self.replay_requests += 1
-            identity = frames[0]
-            start = int.from_bytes(frames[2], "big")
-            for seq, (topic, seq_bytes, payload) in list(self.buffer):
-                if seq >= start:
-                    await self.replay.send_multipart([identity, b"", topic, seq_bytes, payload], copy=False)
-            await self.replay.send_multipart([identity, b"", b"", END_SEQ, b""])
+            try:
+                await self._answer_replay(frames[0], int.from_bytes(frames[2], "big"))
+            except zmq.ZMQError as e:  # a client gone mid-answer must not end replay for everyone
+                log.warning("replay answer failed: %s", e)
+
+    async def _answer_replay(self, identity: bytes, start: int) -> None:
+        for seq, (topic, seq_bytes, payload) in list(self.buffer):
+            if seq >= start:
+                await self.replay.send_multipart([identity, b"", topic, seq_bytes, payload], copy=False)
+        await self.replay.send_multipart([identity, b"", b"", END_SEQ, b""])
