@@ -227,11 +227,22 @@ def test_health_stall_stop_start(sim: Sim) -> None:
     fault(sim, 2, action="unstall")
     ok = httpx.post(sim.url(2) + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}, timeout=5)
     assert ok.status_code == 200
-    fault(sim, 2, action="stop")
+    with httpx.Client(timeout=5) as c:
+        with c.stream("POST", sim.url(2) + "/v1/completions", headers={"X-Request-Id": "cut-by-stop"},
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 60_000, "stream": True}) as r:
+            fault(sim, 0, action="stop", replica=2)  # sim-wide: any replica's port reaches the others
+            with pytest.raises(httpx.HTTPError):
+                for _ in r.iter_bytes():
+                    pass
     with pytest.raises(httpx.ConnectError):
         httpx.get(sim.url(2) + "/health", timeout=2)
-    fault(sim, 0, action="start", replica=2)  # sim-wide: any replica's port reaches the others
+    fault(sim, 0, action="start", replica=2)
     assert httpx.get(sim.url(2) + "/health", timeout=2).status_code == 200
+    assert record(sim, 2, "cut-by-stop")["status"] == "aborted"
+    fault(sim, 2, action="stop")  # a replica can stop itself: the answer goes out first
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(sim.url(2) + "/health", timeout=2)
+    fault(sim, 1, action="start", replica="sim-2")
     bad = httpx.post(sim.url(2) + "/sim/fault", json={"action": "explode"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "action"
 
