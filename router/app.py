@@ -59,6 +59,8 @@ log = logging.getLogger("kvgate.app")
 
 CALIBRATION_REFRESH_S = 1.0
 """How often calibrated prefill coefficients are refitted and swapped in."""
+CLIENT_CLOSED = "499"
+"""Status recorded for requests whose client left before any answer (nginx's convention)."""
 REPLICATION_INTERVAL_S = 0.5
 """How often hot prefixes are checked for a warm-up (and cooled ones retired)."""
 
@@ -371,9 +373,11 @@ class Gateway:
         fwd = Forward(path, raw, up_headers, stream, decision.ranked or [decision.replica],
                       self.config.proxy.max_attempts)
         try:
-            up = await self.proxy.forward(fwd, dispatcher)
+            up = await self._forward_while_connected(request, fwd, dispatcher)
         except AttemptFailed as failed:
             return self._failed(failed, routed, request_id, started)
+        if up is None:
+            return self._client_left(routed, request_id, started)
         if up.replica != decision.replica:
             self.router.dispatched(routed, up.replica)
         out_headers = up.client_headers()
@@ -390,6 +394,27 @@ class Gateway:
         usage = usage_of_body(up.body) if up.status == 200 else None
         self._completed(routed, up, started, up.first_byte_at, usage, "ok", stream=False)
         return Response(up.body, status_code=up.status, headers=out_headers)
+
+    async def _forward_while_connected(
+        self, request: Request, fwd: Forward, dispatcher: FleetDispatcher
+    ) -> Upstream | None:
+        """``proxy.forward``, cancelled the moment the client disconnects (None then): closing the upstream
+        connection makes the engine abort the sequence, even during a long prefill before any byte came back."""
+        forward = asyncio.ensure_future(self.proxy.forward(fwd, dispatcher))
+        left = asyncio.ensure_future(_client_disconnected(request))
+        try:
+            await asyncio.wait((forward, left), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            forward.cancel()
+            raise
+        finally:
+            left.cancel()
+        if forward.done():
+            return forward.result()
+        forward.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await forward
+        return None
 
     async def _transfer(
         self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str], routed: Routed,
@@ -505,6 +530,16 @@ class Gateway:
         )
         return response
 
+    def _client_left(self, routed: Routed, request_id: str, started: float) -> Response:
+        self.metrics.client_disconnects.inc()
+        self.metrics.requests.labels("", CLIENT_CLOSED, routed.decision.reason).inc()
+        self.request_log.request(
+            id=request_id, tenant=routed.request.tenant, replica=None, decision=routed.decision.reason,
+            action=routed.decision.action, prompt_tokens=routed.request.prompt_tokens, status=CLIENT_CLOSED,
+            e2e_ms=round((time.monotonic() - started) * 1000.0, 3),
+        )
+        return Response(status_code=int(CLIENT_CLOSED))
+
     def _completed(
         self, routed: Routed, up: Upstream, started: float, finished_at: float, usage: Usage | None, end: str,
         *, stream: bool,
@@ -545,6 +580,12 @@ class Gateway:
         elif not routed.request.approximate:
             request = routed.request
             self.router.observe(routed, replica, ttft_ms, request.prompt_tokens, routed.matched_tokens(replica))
+
+
+async def _client_disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body was already read, so ``receive`` only reports that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _int_header(headers: Headers, name: str) -> int | None:

@@ -70,5 +70,8 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=server_cfg.shutdown_grace_s,
     )
     server = uvicorn.Server(config)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 0 if server.started else 1

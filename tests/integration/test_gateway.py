@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -262,3 +264,46 @@ def test_client_disconnect_aborts_the_upstream_request(sim: Sim, gw: Gateway) ->
     assert wait_until(status, timeout=5) == "aborted"
     wait_until(lambda: metric_value(gw, "kvgate_client_disconnects_total") >= 1)
     assert metric_value(gw, "kvgate_in_flight", replica=f"sim-{replica}") == 0
+
+
+def test_sigterm_lets_the_in_flight_stream_finish(sim: Sim, workdir: Path) -> None:
+    g = start_kvgate(workdir, gateway_config(sim, workdir, "kvgate-shutdown.yaml"))
+    try:
+        events: list[str] = []
+        with httpx.stream(
+            "POST", g.url + "/v1/completions", timeout=30,
+            json={"model": MODEL, "prompt": "finish me", "max_tokens": 120, "stream": True},
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        threading.Thread(target=g.process.signal, args=(signal.SIGTERM,)).start()
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        assert sum(1 for e in events if e.startswith("{") and json.loads(e)["choices"]) == 120
+        assert g.process.proc is not None and g.process.proc.wait(10) is not None
+    finally:
+        g.stop()
+
+
+def test_client_leaving_before_the_first_byte_aborts_the_upstream_request(sim: Sim, gw: Gateway) -> None:
+    request_id = "leave-early-1"
+
+    def ours() -> list[dict]:
+        return [x for i in range(sim.replicas) for x in sim_requests(sim, i)
+                if x["headers"]["x-request-id"] == request_id]
+
+    for i in range(sim.replicas):
+        httpx.post(sim.url(i) + "/sim/fault", json={"action": "stall"}, timeout=5).raise_for_status()
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                gw.url + "/v1/completions", timeout=1.0, headers={"X-Request-Id": request_id},
+                json={"model": MODEL, "prompt": "never answered " * 50, "max_tokens": 5},
+            )
+        assert wait_until(lambda: [x["status"] for x in ours() if x["status"] != "running"], timeout=5) == ["aborted"]
+    finally:
+        for i in range(sim.replicas):
+            httpx.post(sim.url(i) + "/sim/fault", json={"action": "unstall"}, timeout=5).raise_for_status()
+    assert len(ours()) == 1
+    wait_until(lambda: metric_value(gw, "kvgate_requests_total", status="499") == 1)
