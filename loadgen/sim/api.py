@@ -95,6 +95,8 @@ class ReplicaApi:
             if request.transport is not None:
                 request.transport.abort()
             return gone.response or web.Response(status=503)
+        except ConnectionResetError:  # the client hung up mid-stream; its request was aborted on the way out
+            return web.Response(status=499)
 
     # --- OpenAI endpoints ----------------------------------------------------------------------------------------
     async def completions(self, request: web.BaseRequest) -> web.StreamResponse:
