@@ -220,3 +220,13 @@ async def test_lease_expires() -> None:
 def _submit(e: Engine, req: SimRequest) -> SimRequest:
     e.submit(req)
     return req
+
+
+async def test_timed_stall_ends_by_itself(h: Harness) -> None:
+    e = h.engine()
+    e.stall(0.1)
+    req = _submit(e, request(list(range(40))))
+    await asyncio.sleep(0.05)
+    assert req.state is State.WAITING and e.stalled
+    await finish(req, timeout=2.0)
+    assert not e.stalled
