@@ -118,8 +118,8 @@ def start_targets(tmp: Path, with_sglang: bool) -> tuple[ManagedProcess, list[Ta
     targets.append(Target("bare-proxy", f"http://127.0.0.1:{bare_port}", bare))
 
     kv_port = port_block(1)
-    kvgate = ManagedProcess([*KVGATE, "serve", "--config", str(fleet), "--port", str(kv_port), "--log-level",
-                             "warning"], tmp / "kvgate.log").start()
+    kvgate = ManagedProcess([*KVGATE, "serve", "--config", str(fleet), "--port", str(kv_port)],
+                            tmp / "kvgate.log").start()  # as deployed: one JSON log line per request
     targets.append(Target("kvgate", f"http://127.0.0.1:{kv_port}", kvgate))
 
     if with_sglang:

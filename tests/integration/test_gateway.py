@@ -10,10 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 import yaml
 
+from cache_index.vllm_wire import BlockStored, KVEventBatch
 from tests.support import Gateway, Sim, start_kvgate, start_sim
 
 pytestmark = pytest.mark.integration
@@ -307,3 +309,30 @@ def test_client_leaving_before_the_first_byte_aborts_the_upstream_request(sim: S
             httpx.post(sim.url(i) + "/sim/fault", json={"action": "unstall"}, timeout=5).raise_for_status()
     assert len(ours()) == 1
     wait_until(lambda: metric_value(gw, "kvgate_requests_total", status="499") == 1)
+
+
+def test_kv_events_over_http_feed_the_index(sim: Sim, workdir: Path) -> None:
+    """A replica with no ZMQ endpoint (here a second name for sim-0's URL) is indexed from events POSTed to kvgate."""
+    config = yaml.safe_load(gateway_config(sim, workdir, "kvgate-events-base.yaml").read_text())
+    config["replicas"] = [{"name": "http-fed", "url": sim.url(0)}]
+    path = workdir / "kvgate-events.yaml"
+    path.write_text(yaml.safe_dump(config))
+    g = start_kvgate(workdir, path)
+    try:
+        tokens = list(range(1000, 1032))
+        batch = KVEventBatch(time.time(), [BlockStored(
+            block_hashes=[11, 12], parent_block_hash=None, token_ids=tokens, block_size=16, lora_id=None,
+            medium="GPU", lora_name=None,
+        )], 0)
+        r = httpx.post(g.url + "/kvgate/v1/events", content=msgspec.msgpack.encode(batch), headers={
+            "content-type": "application/msgpack", "x-kvgate-replica": "http-fed", "x-kvgate-seq": "0"})
+        assert r.status_code == 200 and r.json()["status"] == "applied"
+        explained = httpx.post(g.url + "/kvgate/v1/explain", json={"model": MODEL, "prompt": tokens + [7]}).json()
+        assert explained["replicas"][0]["cached_tokens"]["gpu"] == 32
+        r = httpx.post(g.url + "/kvgate/v1/events", content=b"x", headers={"content-type": "text/plain"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_events"
+        r = httpx.post(g.url + "/kvgate/v1/events", content=b"\xc1garbage", headers={
+            "content-type": "application/msgpack", "x-kvgate-replica": "http-fed", "x-kvgate-seq": "1"})
+        assert r.status_code == 200 and r.json()["status"] == "malformed"
+    finally:
+        g.stop()
