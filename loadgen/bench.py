@@ -175,6 +175,26 @@ def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet) -> Ite
         yield url
 
 
+def attach_engine_ttft(records: list[RequestRecord], replica_urls: list[str]) -> int:
+    """Fill each record's model-clock TTFT from the sim replicas' /sim/requests (matched by X-Request-Id); return
+    how many matched. Wall-clock latencies on a shared machine include CPU starvation of the sim and the router;
+    the model clock counts only the queueing and prefill the routing decision caused."""
+    by_id = {r.request_id: r for r in records}
+    matched = 0
+    for url in replica_urls:
+        try:
+            resp = httpx.get(url + "/sim/requests", params={"limit": 100_000}, timeout=10.0)
+            entries = resp.json().get("requests", []) if resp.status_code == 200 else []
+        except (httpx.HTTPError, ValueError):
+            continue
+        for entry in entries:
+            record = by_id.get((entry.get("headers") or {}).get("x-request-id"))
+            if record is not None and isinstance(entry.get("ttft_ms"), (int, float)):
+                record.engine_ttft_ms = float(entry["ttft_ms"])
+                matched += 1
+    return matched
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     b = parser.add_argument_group("bench")
     b.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated (default {','.join(POLICIES)})")
@@ -260,7 +280,9 @@ def _run_one(
     with sim_fleet(args, out_dir, name) as fleet:
         front = sglang_gateway(args, out_dir, fleet) if name == "sglang" else gateway(args, out_dir, fleet, name)
         with front as url:
-            return drive(requests, run_config(args, url)), fleet.replica_names, url
+            records = drive(requests, run_config(args, url))
+        attach_engine_ttft(records, fleet.replica_urls)
+        return records, fleet.replica_names, url
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

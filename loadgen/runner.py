@@ -46,6 +46,13 @@ class RequestRecord:
     cached_tokens: int | None = None
     output_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)
+    engine_ttft_ms: float | None = None
+    """TTFT on the simulated engine's model clock (queue + prefill as modelled, unscaled ms); filled in by
+    ``kvgate bench`` from the sim's /sim/requests, so it is free of this machine's CPU noise."""
+
+    @property
+    def request_id(self) -> str:
+        return f"loadgen-{self.index}"
 
     @property
     def ok(self) -> bool:
@@ -147,7 +154,9 @@ class _Runner:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        headers = {"X-Session-ID": request.session_id} if request.session_id else {}
+        headers = {"X-Request-Id": record.request_id}
+        if request.session_id:
+            headers["X-Session-ID"] = request.session_id
         url = self.config.target.rstrip("/") + PATHS[request.endpoint]
         try:
             async with self.session.post(url, json=body, headers=headers) as resp:

@@ -43,11 +43,12 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
     for name, s in doc["summaries"].items():
         assert (s["requests"], s["ok"]) == (20, 20), (name, doc["requests"][name][:2])
         assert s["ttft_mean_ms"] > 0 and s["prompt_tokens"] > 0
+        assert s["engine_ttft_mean_ms"] > 0  # model-clock TTFT collected from the sim for every request
         assert 0 < s["oracle_hit_ratio"] < 1
         assert sum(s["requests_per_replica"].values()) == 20 and len(s["requests_per_replica"]) == 2
     assert doc["summaries"]["round_robin"]["load_imbalance"] >= 1.0
     assert doc["ratios_to_best_baseline"]["ttft_mean_ms"]["best_baseline"] == "round_robin"
-    assert all(r["replica"] for r in doc["requests"]["cost"])
+    assert all(r["replica"] and r["engine_ttft_ms"] is not None for r in doc["requests"]["cost"])
     assert "cost / best baseline" in (out / "report.md").read_text()
     assert {p.name for p in out.glob("*.png")} == {"ttft_cdf.png", "inflight_per_replica.png", "hit_ratio.png"}
 

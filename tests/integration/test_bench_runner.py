@@ -24,7 +24,7 @@ async def _fake_completion(request: web.Request) -> web.StreamResponse:
     if "prompt" not in body and "messages" not in body:
         return web.json_response({"error": {"message": "missing prompt", "type": "BadRequestError"}}, status=400)
     sent = request.app[SENT]
-    sent.append((body, dict(request.headers)))
+    sent.append((body, request.headers.copy()))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-kvgate-replica": f"r{len(sent) % 2}",
                                        "x-kvgate-decision": "fake"})
     await resp.prepare(request)
@@ -70,6 +70,7 @@ async def test_records_stream_timing_usage_and_headers(fake_engine: tuple[str, w
         assert r.replica in {"r0", "r1"} and r.decision == "fake"
     body, _ = app[SENT][0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True} and body["model"] == "m"
+    assert sorted(h["X-Request-Id"] for _, h in app[SENT]) == sorted(f"loadgen-{i}" for i in range(6))
 
 
 async def test_sessions_wait_for_their_previous_turn(fake_engine: tuple[str, web.Application]) -> None:
