@@ -76,3 +76,9 @@ def test_cold_prefix_is_not_replicated_and_hot_prefix_is(fleet: tuple[Sim, Gatew
     # the cold document was never warmed anywhere: only one replica holds it
     assert len(holders(gw, cold)) == 1
     assert all(r["prompt_tokens"] >= 256 and r["prompt_tokens"] % 16 == 0 for r in warmed)
+    # the prefix (> transfer.min_tokens, cheaper to move than to prefill) went by the NixlConnector handshake:
+    # a prefill-only first leg on the holder, then the warm-up pulled the KV instead of recomputing it
+    assert metric_value(gw, "kvgate_transfers_total", result="completed") >= 1
+    first_legs = [r for r in warmed if (r["kv_transfer_params_in"] or {}).get("do_remote_decode")]
+    pulls = [r for r in warmed if (r["kv_transfer_params_in"] or {}).get("do_remote_prefill")]
+    assert first_legs and pulls and pulls[0]["transferred_tokens"] > 0
