@@ -17,7 +17,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from cache_index.index import PrefixIndex
