@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from cache_index.vllm_wire import BlockStored, KVEventBatch
-from tests.support import Gateway, Sim, start_kvgate, start_sim
+from tests.support import KVGATE, REPO, Gateway, ManagedProcess, Sim, port_block, start_kvgate, start_sim
 
 pytestmark = pytest.mark.integration
 
@@ -336,3 +337,33 @@ def test_kv_events_over_http_feed_the_index(sim: Sim, workdir: Path) -> None:
         assert r.status_code == 200 and r.json()["status"] == "malformed"
     finally:
         g.stop()
+
+
+def test_bad_policy_file_exits_2_naming_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas: []\nproxy:\n  max_attempts: 0\n")
+    done = subprocess.run([*KVGATE, "serve", "--config", str(bad)], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
+    assert done.returncode == 2
+    assert "proxy.max_attempts" in done.stderr
+
+
+def test_demo_serves_in_front_of_its_own_fleet_and_stops_it(tmp_path: Path) -> None:
+    port, sim_port, zmq_port = port_block(1), port_block(4), port_block(8)
+    demo = ManagedProcess(
+        [*KVGATE, "demo", "--port", str(port), "--sim-port", str(sim_port), "--sim-zmq-port", str(zmq_port),
+         "--time-scale", "0"], tmp_path / "demo.log",
+    ).start()
+    try:
+        demo.wait_http(f"http://127.0.0.1:{port}/ready", 60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert reply.choices[0].message.content
+        assert "openai" in demo.output() and "curl" in demo.output()
+        assert demo.proc is not None
+        demo.proc.send_signal(signal.SIGINT)  # Ctrl-C: kvgate shuts down, then the demo stops its sim
+        assert demo.proc.wait(20) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{sim_port}/health", timeout=2)
+    finally:
+        demo.stop()
