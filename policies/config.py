@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class ServerConfig(Section):
@@ -35,6 +35,7 @@ class ServerConfig(Section):
 
 class ReplicaConfig(Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    """Unique replica name (letters, digits, _ . : -); shown in x-kvgate-replica, metrics and logs."""
     url: str
     """Base URL of the engine's HTTP server, e.g. http://10.0.0.5:8000."""
     kv_events: str | None = None
@@ -45,6 +46,7 @@ class ReplicaConfig(Section):
     """SUB topic filter (vLLM's ``topic``; empty receives all)."""
     engine: Literal["vllm", "sglang"] = "vllm"
     labels: dict[str, str] = Field(default_factory=dict)
+    """Free-form labels (e.g. zone, GPU type), shown by /admin/replicas."""
 
     @field_validator("url")
     @classmethod
@@ -58,7 +60,9 @@ class PrefillCost(Section):
     """prefill_ms(n) = fixed_ms + per_token_ms * n + quadratic_ms * n^2 / 1e6 (DESIGN.md's service model)."""
 
     fixed_ms: float = Field(20.0, ge=0)
+    """Fixed prefill cost per request (scheduling, first step), ms."""
     per_token_ms: float = Field(0.035, ge=0)
+    """Prefill cost per uncached prompt token, ms."""
     quadratic_ms: float = Field(0.0, ge=0)
     """Extra ms per million squared tokens, for attention's quadratic share on long contexts."""
     decode_ms_per_token: float = Field(0.0, ge=0)
@@ -76,13 +80,18 @@ class ModelConfig(Section):
     """Changing it starts a new namespace: every old cached prefix simply misses."""
     prefill: PrefillCost = PrefillCost()
     kv_bytes_per_token: int = Field(320 * 1024, gt=0)
+    """KV-cache bytes per token (all layers); sizes transfers."""
 
 
 class HealthConfig(Section):
     interval_s: float = Field(2.0, gt=0)
+    """Seconds between active GET /health checks of each replica."""
     timeout_s: float = Field(1.0, gt=0)
+    """A health check slower than this counts as failed."""
     failures_to_down: int = Field(3, ge=1)
+    """Consecutive failed checks that mark a replica down."""
     successes_to_up: int = Field(2, ge=1)
+    """Consecutive good checks that mark a down replica up again (with a new generation)."""
 
 
 class BreakerConfig(Section):
@@ -94,14 +103,19 @@ class BreakerConfig(Section):
 
 class ProxyConfig(Section):
     connect_timeout_s: float = Field(2.0, gt=0)
+    """Upstream TCP connect timeout; a refused or timed-out connect is retried on the next replica."""
     first_byte_timeout_s: float = Field(60.0, gt=0)
     """Upstream must send response headers within this (long prefills count here)."""
     total_timeout_s: float = Field(1800.0, gt=0)
+    """Upper bound on one upstream request, streaming included."""
     max_attempts: int = Field(3, ge=1)
     """Tries per request, across replicas, before any byte reached the client."""
     backoff_base_ms: float = Field(20.0, ge=0)
+    """First retry backoff; doubles per attempt, with full jitter."""
     backoff_max_ms: float = Field(500.0, ge=0)
+    """Cap on one retry backoff."""
     pool_size_per_replica: int = Field(256, ge=1)
+    """Keep-alive connection pool size per replica."""
 
 
 class ScrapeConfig(Section):
@@ -117,6 +131,7 @@ class IndexConfig(Section):
     predicted_ttl_s: float = Field(2.0, ge=0)
     """Blocks of a just-routed prompt count as held ("predicted") on that replica for this long, or until confirmed."""
     replay_timeout_s: float = Field(2.0, gt=0)
+    """How long a replay request may take before the replica is purged instead."""
 
 
 class TenantsConfig(Section):
@@ -145,8 +160,11 @@ class PrefixAffinityConfig(Section):
     """The SGLang Model Gateway's cache_aware rule with its CLI defaults."""
 
     cache_threshold: float = Field(0.3, ge=0, le=1)
+    """Matched fraction of the prompt above which the best-matching replica wins."""
     balance_abs_threshold: int = Field(64, ge=0)
+    """Load is imbalanced when max - min load exceeds this ..."""
     balance_rel_threshold: float = Field(1.5, ge=1)
+    """... and max load exceeds min load times this; then the least-loaded replica wins."""
 
 
 class PolicyConfig(Section):
@@ -165,6 +183,7 @@ class CalibrationConfig(Section):
     window: int = Field(512, ge=16)
     """Observations kept for the robust fit."""
     min_samples: int = Field(32, ge=4)
+    """Observations needed before the fit replaces the policy file's coefficients."""
     max_change: float = Field(0.5, gt=0)
     """Fitted coefficients stay within (1 ± max_change) of the policy file's values."""
 
@@ -173,10 +192,13 @@ class TransferConfig(Section):
     connector: Literal["none", "nixl"] = "none"
     """KV connector between replicas; transfers are considered only when it is not "none"."""
     setup_ms: float = Field(12.0, ge=0)
+    """Fixed cost of one KV transfer (handshake, registration), ms."""
     bandwidth_gib_s: float = Field(22.0, gt=0)
+    """KV link bandwidth between replicas, GiB/s."""
     min_tokens: int = Field(1024, ge=0)
     """Never transfer prefixes shorter than this (setup dominates)."""
     first_leg_timeout_s: float = Field(30.0, gt=0)
+    """Timeout of the prefill-only first leg on the source; on expiry the destination recomputes."""
 
 
 class ReplicationConfig(Section):
@@ -186,9 +208,11 @@ class ReplicationConfig(Section):
     min_saving_ms_per_s: float = Field(200.0, ge=0)
     """A prefix is hot when rate × prefill it saves exceeds this many ms per second."""
     max_replicas_per_prefix: int = Field(4, ge=1)
+    """Most replicas one hot prefix is kept warm on."""
     warmup_budget_tokens_per_s: float = Field(200_000.0, ge=0)
     """Global budget of warm-up prefill work."""
     min_prefix_tokens: int = Field(256, ge=0)
+    """Prefixes shorter than this are never replicated (recompute is cheap)."""
     warmup_timeout_s: float = Field(30.0, gt=0)
     """A started warm-up blocks further warm-ups of its prefix until its target holds it or this long passed."""
 
@@ -198,7 +222,9 @@ class KvgateConfig(Section):
 
     server: ServerConfig = ServerConfig()
     replicas: list[ReplicaConfig] = Field(default_factory=list)
+    """The engine replicas (more can be added at runtime through /admin/replicas)."""
     models: list[ModelConfig] = Field(default_factory=list)
+    """Per-model tokenizer, block size, weight version and cost constants."""
     health: HealthConfig = HealthConfig()
     breaker: BreakerConfig = BreakerConfig()
     proxy: ProxyConfig = ProxyConfig()
