@@ -24,10 +24,13 @@ def fleet(size: int, rng: random.Random) -> list[ReplicaView]:
     views = []
     for i in range(size):
         prefilling = rng.randint(0, 4)
+        engine_up, draining = rng.random() > 0.05, rng.random() < 0.05
         views.append(
             ReplicaView(
                 name=f"r{i}",
-                healthy=rng.random() > 0.05,
+                healthy=engine_up and not draining,
+                can_source=engine_up,
+                draining=draining,
                 match=PrefixMatch(gpu=rng.choice([0, 0, 4000, 11_000]), cpu=rng.choice([0, 2000])),
                 in_flight=prefilling + rng.randint(0, 30),
                 in_flight_prefilling=prefilling,

@@ -38,9 +38,14 @@ class ReplicaView:
 
     name: str
     healthy: bool
-    """Passes health checks, circuit breaker closed (or half-open and admitting a probe), not draining."""
+    """Routable: passes health checks, circuit breaker closed (or half-open and admitting a probe), not draining."""
     match: PrefixMatch
     """Leading prompt tokens this replica holds, per tier (from the prefix index)."""
+    can_source: bool = False
+    """Its engine can serve a transfer's prefill-only first leg: health checks pass and the breaker is closed, even
+    while draining. A draining replica takes no new requests but still holds its cache: pulling its KV beats
+    recomputing a long prefix elsewhere. A replica failing requests (breaker open or half-open) is never a source."""
+    draining: bool = False
     in_flight: int = 0
     """Requests the router has dispatched to this replica and not yet seen complete."""
     in_flight_prefill_tokens: int = 0

@@ -63,8 +63,11 @@ class CostPolicy:
         queues = {v.name: model.queue_delay_ms(v) for v in views}
         estimates = {v.name: model.estimate(request, v, weight, queues[v.name]) for v in views}
         candidates = [self._candidate(v, estimates[v.name].ttft_ms, None) for v in views]
-        if model.transfer_enabled and not request.approximate and len(views) > 1:
-            candidates += self._transfer_candidates(request, views, estimates, queues)
+        source = None
+        if model.transfer_enabled and not request.approximate:
+            source = self._transfer_source(replicas, queues)
+        if source is not None:
+            candidates += self._transfer_candidates(request, source, views, estimates, queues)
 
         best_score = min(c.score_ms for c in candidates)
         margin = max(best_score * cfg.tie_margin, cfg.tie_margin_ms)
@@ -81,30 +84,41 @@ class CostPolicy:
             reason=self._reason(chosen, candidates, estimates, margin),
             source=chosen.transfer.source if chosen.transfer else None,
             ranked=self._ranked(chosen, candidates),
-            details=self._details(views, estimates, candidates, chosen),
+            details=self._details(request, views, estimates, candidates, chosen, source, queues),
         )
 
     def _candidate(self, view: ReplicaView, ttft_ms: float, transfer: TransferEstimate | None) -> _Candidate:
         bonus = self.config.session_bonus_ms if view.last_session_match else 0.0
         return _Candidate(view, ttft_ms, ttft_ms - bonus, replica_load(view), transfer)
 
+    def _transfer_source(self, replicas: Sequence[ReplicaView], queues: dict[str, float]) -> ReplicaView | None:
+        """The replica holding the longest prefix among those that can serve a first leg (least queued on a tie),
+        routable or not: a draining replica's cache is still there to be pulled. Its queue delay is added to
+        ``queues`` when the policy did not already compute it (it is not a routing candidate)."""
+        sources = [v for v in replicas if v.can_source and v.match.total > 0]
+        if not sources:
+            return None
+        for v in sources:
+            if v.name not in queues:
+                queues[v.name] = self.cost_model.queue_delay_ms(v)
+        return max(sources, key=lambda v: (v.match.total, -queues[v.name]))
+
     def _transfer_candidates(
         self,
         request: RouteRequest,
+        source: ReplicaView,
         views: list[ReplicaView],
         estimates: dict[str, Estimate],
         queues: dict[str, float],
     ) -> list[_Candidate]:
-        """Pull the longest healthy prefix to each other replica, where that beats serving there by recompute.
+        """Pull ``source``'s prefix to each other routable replica, where that beats serving there by recompute.
 
-        A transfer first runs the handshake on the source, so it never finishes before serving the request on the
-        source itself would (plus link setup): destinations already faster than that are skipped unpriced.
+        A transfer first runs the handshake on the source, so it never finishes before serving the request on a
+        routable source itself would (plus link setup): destinations already faster than that are skipped
+        unpriced. A source that takes no new requests (draining) sets no such floor.
         """
-        healthy = [v for v in views if v.healthy]
-        if not healthy:
-            return []
-        source = max(healthy, key=lambda v: (v.match.total, -queues[v.name]))
-        floor_ms = estimates[source.name].ttft_ms + self.cost_model.transfer.setup_ms
+        source_route = estimates.get(source.name)
+        floor_ms = 0.0 if source_route is None else source_route.ttft_ms + self.cost_model.transfer.setup_ms
         found = []
         for dest in views:
             if dest.name == source.name or estimates[dest.name].ttft_ms <= floor_ms:
@@ -138,16 +152,23 @@ class CostPolicy:
                 ranked.append(c.view.name)
         return ranked
 
-    @staticmethod
     def _details(
+        self,
+        request: RouteRequest,
         views: list[ReplicaView],
         estimates: dict[str, Estimate],
         candidates: list[_Candidate],
         chosen: _Candidate,
+        source: ReplicaView | None,
+        queues: dict[str, float],
     ) -> dict[str, object]:
-        details: dict[str, object] = {
-            "replicas": {v.name: replica_numbers(v, estimates[v.name]) for v in views},
-        }
+        """Per-replica rows for the routing candidates, plus the transfer source's when it is not one of them
+        (draining: its queue and cache are what the transfers were priced from)."""
+        replicas = {v.name: replica_numbers(v, estimates[v.name]) for v in views}
+        if source is not None and source.name not in replicas:
+            estimate = self.cost_model.estimate(request, source, queue_delay_ms=queues[source.name])
+            replicas[source.name] = replica_numbers(source, estimate)
+        details: dict[str, object] = {"replicas": replicas}
         transfers = [c.transfer.as_dict() for c in candidates if c.transfer is not None]
         if transfers:
             details["transfers"] = transfers

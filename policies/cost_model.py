@@ -224,11 +224,12 @@ class CostModel:
     ) -> TransferEstimate | None:
         """Predicted TTFT of pulling ``source``'s cached prefix to ``dest`` (see :class:`TransferEstimate`).
 
-        None when no connector is configured, the source is unhealthy or is the destination, or the prefix the
-        destination would gain is shorter than ``transfer.min_tokens`` (setup dominates). Callers that already
-        computed the replicas' queue delays may pass them in.
+        None when no connector is configured, the source cannot serve a first leg (``ReplicaView.can_source``:
+        a draining source can) or is the destination, or the prefix the destination would gain is shorter than
+        ``transfer.min_tokens`` (setup dominates). Callers that already computed the replicas' queue delays may pass
+        them in.
         """
-        if not self.transfer_enabled or not source.healthy or source.name == dest.name:
+        if not self.transfer_enabled or not source.can_source or source.name == dest.name:
             return None
         room = max(request.prompt_tokens - 1, 0)
         source_cached = min(source.match.total, room)

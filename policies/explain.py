@@ -10,9 +10,12 @@ from policies.load import replica_load
 
 
 def replica_numbers(view: ReplicaView, estimate: Estimate) -> dict[str, object]:
-    """One replica's row: the cost model's estimate plus its health and load."""
+    """One replica's row: the cost model's estimate plus its health (routable, draining, can be a transfer's
+    source) and load."""
     row = estimate.as_dict()
     row["healthy"] = view.healthy
+    row["draining"] = view.draining
+    row["can_source"] = view.can_source
     row["load"] = replica_load(view)
     return row
 

@@ -8,7 +8,8 @@ at the end. Scraped engine numbers add what the router cannot see (requests that
 older than ``scrape.stale_after_ms``.
 
 Listeners hear about replicas appearing, disappearing and being reset; a reset means the replica's cached state is in
-doubt (it was down and came back, or it was drained), so the prefix index forgets what it knew about it.
+doubt (it was down and came back), so the prefix index forgets what it knew about it. Draining is not a reset: the
+engine keeps its cache and still publishes its events, and the cost policy may pull that cache from it by transfer.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class Replica:
     def routable(self) -> bool:
         return self.healthy and not self.draining and self.breaker.allow()
 
+    def can_source(self) -> bool:
+        """Can serve a transfer's prefill-only first leg: the engine passes health checks and real requests are not
+        failing (breaker closed). Draining does not matter: no new requests, but its cache is still there."""
+        return self.healthy and self.breaker.state == "closed"
+
     def __repr__(self) -> str:
         return f"Replica({self.name!r}, healthy={self.healthy}, draining={self.draining}, in_flight={self.in_flight})"
 
@@ -105,7 +111,7 @@ class FleetListener:
         """A replica left the fleet."""
 
     def on_reset(self, name: str, reason: str) -> None:
-        """The replica's cached state is in doubt (``recovered``, ``drained``): forget it."""
+        """The replica's cached state is in doubt (``recovered``): forget it."""
 
 
 class Fleet:
@@ -156,6 +162,8 @@ class Fleet:
             name=r.name,
             healthy=r.routable(),
             match=match,
+            can_source=r.can_source(),
+            draining=r.draining,
             in_flight=r.in_flight,
             in_flight_prefill_tokens=r.in_flight_prefill_tokens,
             scraped_waiting=None if scraped is None else scraped.waiting,
@@ -224,12 +232,9 @@ class Fleet:
         return replica
 
     def drain(self, name: str) -> None:
-        """No new requests go to the replica; in-flight ones finish. ``KeyError`` if unknown."""
-        replica = self.replicas[name]
-        if replica.draining:
-            return
-        replica.draining = True
-        self._notify("on_reset", name, "drained")
+        """No new requests go to the replica; in-flight ones finish. ``KeyError`` if unknown. What it caches stays
+        in the prefix index (its engine still publishes events), so transfers can pull it elsewhere."""
+        self.replicas[name].draining = True
 
     async def remove(self, name: str) -> None:
         """Take the replica out now (``KeyError`` if unknown). In-flight requests keep their own connection and

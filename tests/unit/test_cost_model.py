@@ -24,7 +24,7 @@ def request(tokens: int) -> RouteRequest:
 
 def view(name: str = "a", *, healthy: bool = True, **kw: object) -> ReplicaView:
     match = PrefixMatch(**{t: kw.pop(t) for t in ("gpu", "cpu", "storage", "predicted") if t in kw})
-    return ReplicaView(name=name, healthy=healthy, match=match, **kw)
+    return ReplicaView(name=name, healthy=healthy, can_source=healthy, match=match, **kw)
 
 
 def test_prefill_formula() -> None:

@@ -110,7 +110,7 @@ async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> Non
     assert v.in_flight == 1
 
 
-async def test_drain_stops_routing_and_resets(session: aiohttp.ClientSession) -> None:
+async def test_drain_stops_routing_but_keeps_the_cache_as_a_transfer_source(session: aiohttp.ClientSession) -> None:
     fleet = Fleet(config("a", "b"), session)
     rec = Recorder()
     fleet.listeners.append(rec)
@@ -119,10 +119,22 @@ async def test_drain_stops_routing_and_resets(session: aiohttp.ClientSession) ->
     fleet.drain("a")
     fleet.drain("a")
     assert [r.name for r in fleet.routable()] == ["b"]
-    assert not fleet.view("a", PrefixMatch()).healthy
-    assert rec.events == [("reset", "a", "drained")]
+    v = fleet.view("a", PrefixMatch(gpu=32))
+    assert (v.healthy, v.draining, v.can_source, v.match.gpu) == (False, True, True, 32)
+    assert rec.events == []  # the engine still holds its cache: the index keeps it
     with pytest.raises(KeyError):
         fleet.drain("nope")
+
+
+async def test_only_a_healthy_engine_with_a_closed_breaker_can_source(session: aiohttp.ClientSession) -> None:
+    fleet = Fleet(config("a", "b"), session)
+    a, b = fleet.replicas.values()
+    a.healthy, b.healthy = False, True
+    assert not fleet.view("a", PrefixMatch()).can_source
+    for _ in range(fleet.config.breaker.failures_to_open):
+        b.breaker.record_failure()
+    v = fleet.view("b", PrefixMatch())
+    assert b.breaker.state == "open" and not v.can_source and not v.healthy
 
 
 async def test_models_union_and_lora_base(session: aiohttp.ClientSession) -> None:

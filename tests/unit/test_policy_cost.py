@@ -36,6 +36,7 @@ def view(name: str, *, healthy: bool = True, queued: int = 0, queued_tokens: int
     return ReplicaView(
         name=name,
         healthy=healthy,
+        can_source=healthy,
         match=match,
         in_flight=queued,
         in_flight_prefilling=queued,
