@@ -139,6 +139,7 @@ class EventIngestor:
         generation = self._retired_generations.pop(name, -1) + 1
         self._replicas[name] = _Replica(model, weight_version, block_size, generation)
         self.stats.generations[name] = generation
+        self.index.reset_replica(name, generation)  # the index reports every tracked replica's generation
 
     def set_namespace(self, name: str, model: str, weight_version: str = "") -> None:
         """A new model or weight version: nothing held so far can match, so drop it all under a new generation."""

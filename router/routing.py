@@ -313,10 +313,13 @@ class Router:
         for name, view in routed.views.items():
             row = dict(numbers.get(name, {}))
             row.pop("cached_tokens", None)
+            # The index's generation moves on every restart, AllBlocksCleared and reset (health recovery included);
+            # the fleet's counts health recoveries only.
+            generation = self.index.generation(name)
             replicas.append({
                 "name": name,
                 "healthy": view.healthy,
-                "generation": view.generation,
+                "generation": view.generation if generation is None else generation,
                 "cached_tokens": view.match.as_dict(),
                 "queue_delay_ms": row.pop("queue_delay_ms", 0.0),
                 "predicted_ttft_ms": row.pop("predicted_ttft_ms", 0.0),
