@@ -1,0 +1,263 @@
+"""The prefix index never lies for long, seen end to end: a real `kvgate sim` fleet publishes KV events, real
+`kvgate serve` processes subscribe to them, and `POST /kvgate/v1/explain` is how the tests read what the index holds.
+
+Prompts are sent straight to a chosen sim replica (the index learns from events, whoever sent the request), so each
+fault lands on a known replica; the first test goes through kvgate with the official openai client. Every prompt is
+unique to its test, so tests sharing the module's fleet never read each other's blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.test_gateway import MODEL, gateway_config, metric_value, sim_fault, wait_until
+from tests.support import Gateway, Sim, start_kvgate, start_sim
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 16
+KV_BLOCKS = 96
+"""Small GPU caches, so a handful of prompts evicts a replica's older blocks."""
+TENANT_KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
+SAME_HOLDINGS_WITHIN_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("index-e2e")
+
+
+@pytest.fixture(scope="module")
+def sim(workdir: Path) -> Iterator[Sim]:
+    s = start_sim(workdir, 3, "--time-scale", "0", "--kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK))
+    yield s
+    s.stop()
+
+
+def start_subscribed(sim: Sim, workdir: Path, name: str, **sections: dict) -> Gateway:
+    """A kvgate whose replicas are all routable and whose event subscriptions all deliver (ZMQ drops what a PUB
+    sends before a SUB has joined, so a test's first prompt could otherwise go unseen)."""
+    g = start_kvgate(workdir, gateway_config(sim, workdir, name, **sections))
+    try:
+        wait_until(lambda: httpx.get(g.url + "/ready", timeout=5).json().get("routable") == [
+            f"sim-{i}" for i in range(sim.replicas)])
+        if "tenants" not in sections:
+            for replica in range(sim.replicas):
+                probe = prompt_of(f"{name}-joined-{replica}", words=8)
+                wait_until(lambda: send(sim, replica, probe) >= 0 and gpu_tokens(g, probe, replica) > 0, interval=0.1)
+    except BaseException:
+        g.stop()
+        raise
+    return g
+
+
+@pytest.fixture(scope="module")
+def gw(sim: Sim, workdir: Path) -> Iterator[Gateway]:
+    g = start_subscribed(sim, workdir, "kvgate.yaml", index={"replay_timeout_s": 0.5})
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def twin_gw(sim: Sim, workdir: Path) -> Iterator[Gateway]:
+    """A second, independent kvgate subscribed to the same fleet (how kvgate scales out)."""
+    g = start_subscribed(sim, workdir, "kvgate-twin.yaml")
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def tenant_gw(sim: Sim, workdir: Path) -> Iterator[Gateway]:
+    g = start_subscribed(sim, workdir, "kvgate-tenants.yaml", tenants={"api_keys": TENANT_KEYS})
+    yield g
+    g.stop()
+
+
+def prompt_of(label: str, words: int = 20) -> str:
+    """A prompt of 100-200 tokens (a tenth of a replica's cache or less) that no other test sends."""
+    return " ".join(f"{label}-{i}" for i in range(words))
+
+
+def send(sim: Sim, replica: int, prompt: str) -> int:
+    """One completion straight to a sim replica (its KV events reach every subscribed kvgate); the prompt tokens the
+    engine found cached."""
+    client = openai.OpenAI(base_url=sim.url(replica) + "/v1", api_key="unused", max_retries=0, timeout=30)
+    usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return usage.prompt_tokens_details.cached_tokens or 0
+
+
+def explain(gw: Gateway, prompt: str, api_key: str | None = None) -> dict:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(gw.url + "/kvgate/v1/explain", json={"model": MODEL, "prompt": prompt}, headers=headers, timeout=5)
+    r.raise_for_status()
+    return r.json()
+
+
+def row(explained: dict, replica: int) -> dict:
+    return next(r for r in explained["replicas"] if r["name"] == f"sim-{replica}")
+
+
+def full_blocks(explained: dict) -> int:
+    """Tokens of the prompt's full blocks: what a replica holding the whole prompt holds."""
+    return explained["prompt_tokens"] // BLOCK * BLOCK
+
+
+def gpu_tokens(gw: Gateway, prompt: str, replica: int, api_key: str | None = None) -> int:
+    return row(explain(gw, prompt, api_key), replica)["cached_tokens"]["gpu"]
+
+
+def wait_held(gw: Gateway, prompt: str, replica: int, api_key: str | None = None) -> dict:
+    """Wait until ``replica`` holds every full block of ``prompt`` on GPU, confirmed by events (not predicted)."""
+
+    def held() -> dict | None:
+        explained = explain(gw, prompt, api_key)
+        return explained if row(explained, replica)["cached_tokens"]["gpu"] == full_blocks(explained) else None
+
+    return wait_until(held)
+
+
+def wait_gone(gw: Gateway, prompt: str, replica: int) -> None:
+    wait_until(lambda: gpu_tokens(gw, prompt, replica) == 0)
+
+
+def events_metric(gw: Gateway, field: str, **labels: str) -> float:
+    return metric_value(gw, f"kvgate_events_{field}", **labels)
+
+
+def test_a_completed_request_is_held_by_the_replica_that_served_it(gw: Gateway) -> None:
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    prompt = prompt_of("served")
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
+    served = int(raw.headers["x-kvgate-replica"].removeprefix("sim-"))
+    explained = wait_held(gw, prompt, served)
+    assert full_blocks(explained) >= 4 * BLOCK and explained["approximate"] is False
+    for other in explained["replicas"]:
+        if other["name"] != f"sim-{served}":
+            assert other["cached_tokens"] == {"gpu": 0, "cpu": 0, "storage": 0, "predicted": 0}
+
+
+def test_eviction_removes_the_evicted_blocks(sim: Sim, gw: Gateway) -> None:
+    first = prompt_of("evicted")
+    send(sim, 2, first)
+    blocks = full_blocks(wait_held(gw, first, 2))
+    for i in range(2 * KV_BLOCKS * BLOCK // blocks):  # twice the cache's capacity of other prompts
+        send(sim, 2, prompt_of(f"pressure{i}"))
+    wait_until(lambda: gpu_tokens(gw, first, 2) < blocks)
+    assert gpu_tokens(gw, prompt_of(f"pressure{i}"), 2) > 0  # the latest prompt is what the cache holds now
+
+
+def test_a_restarted_replica_loses_its_holdings_under_a_new_generation(sim: Sim, gw: Gateway) -> None:
+    before = prompt_of("before-restart")
+    send(sim, 1, before)
+    generation = row(wait_held(gw, before, 1), 1)["generation"]
+    restarts = events_metric(gw, "restarts")
+    # frames the old engine published that kvgate never received must not come back after the restart
+    sim_fault_body(sim, 1, {"action": "drop_events", "fraction": 1.0})
+    lost = prompt_of("lost-before-restart")
+    send(sim, 1, lost)
+    sim_fault(sim, 0, "restart", 1)
+    sim_fault_body(sim, 1, {"action": "drop_events", "fraction": 0.0})
+    after = prompt_of("after-restart")
+    send(sim, 1, after)  # the new engine's first frame (seq 0) is how kvgate learns of the restart
+    wait_held(gw, after, 1)
+    explained = explain(gw, before)
+    assert row(explained, 1)["cached_tokens"]["gpu"] == 0
+    assert row(explained, 1)["generation"] > generation
+    assert events_metric(gw, "restarts") == restarts + 1
+    assert events_metric(gw, "generations", key="sim-1") == row(explained, 1)["generation"]
+    assert gpu_tokens(gw, lost, 1) == 0
+
+
+def test_dropped_frames_are_repaired_by_replay(sim: Sim, gw: Gateway) -> None:
+    requested, succeeded = events_metric(gw, "replays_requested"), events_metric(gw, "replays_succeeded")
+    sim_fault_body(sim, 0, {"action": "drop_events", "fraction": 1.0})
+    dropped = [prompt_of(f"dropped{i}") for i in range(2)]
+    for prompt in dropped:
+        send(sim, 0, prompt)
+    sim_fault_body(sim, 0, {"action": "drop_events", "fraction": 0.0})
+    assert all(gpu_tokens(gw, prompt, 0) == 0 for prompt in dropped)  # nothing arrived yet
+    send(sim, 0, prompt_of("after-drop"))  # its frame reveals the gap
+    for prompt in dropped:
+        wait_held(gw, prompt, 0)
+    assert events_metric(gw, "replays_requested") == requested + 1
+    assert events_metric(gw, "replays_succeeded") == succeeded + 1
+
+
+def test_without_replay_a_gap_purges_the_replica_and_holdings_rebuild(sim: Sim, gw: Gateway) -> None:
+    kept = prompt_of("held-before-gap")
+    send(sim, 1, kept)
+    wait_held(gw, kept, 1)
+    purges, failed = events_metric(gw, "purges"), events_metric(gw, "replays_failed")
+    sim_fault(sim, 0, "disable_replay", 1)
+    try:
+        sim_fault_body(sim, 1, {"action": "drop_events", "fraction": 1.0})
+        dropped = prompt_of("dropped-unreplayable")
+        send(sim, 1, dropped)
+        sim_fault_body(sim, 1, {"action": "drop_events", "fraction": 0.0})
+        revealing = prompt_of("reveals-gap")
+        send(sim, 1, revealing)
+        wait_until(lambda: events_metric(gw, "purges") == purges + 1)
+        assert events_metric(gw, "replays_failed") == failed + 1
+        wait_held(gw, revealing, 1)  # the frame after the gap starts the rebuilt holdings
+        assert gpu_tokens(gw, kept, 1) == 0  # purged, although the engine still holds it: forget when in doubt
+        assert gpu_tokens(gw, dropped, 1) == 0
+        assert send(sim, 1, kept) > 0  # the engine did still hold it
+        rebuilt = prompt_of("after-purge")
+        send(sim, 1, rebuilt)
+        wait_held(gw, rebuilt, 1)
+    finally:
+        sim_fault(sim, 0, "enable_replay", 1)
+        sim_fault_body(sim, 1, {"action": "drop_events", "fraction": 0.0})
+
+
+def test_tenants_never_see_each_others_blocks(tenant_gw: Gateway) -> None:
+    alpha = openai.OpenAI(base_url=tenant_gw.url + "/v1", api_key="key-alpha", max_retries=0, timeout=30)
+    prompt = prompt_of("tenant-secret")
+    raw = alpha.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
+    served = int(raw.headers["x-kvgate-replica"].removeprefix("sim-"))
+    wait_held(tenant_gw, prompt, served, api_key="key-alpha")
+    as_beta = explain(tenant_gw, prompt, api_key="key-beta")
+    assert all(r["cached_tokens"] == {"gpu": 0, "cpu": 0, "storage": 0, "predicted": 0} for r in as_beta["replicas"])
+    unauthenticated = httpx.post(tenant_gw.url + "/kvgate/v1/explain", json={"model": MODEL, "prompt": prompt})
+    assert unauthenticated.status_code == 401
+
+
+def test_two_gateways_report_the_same_holdings_within_a_second(sim: Sim, gw: Gateway, twin_gw: Gateway) -> None:
+    prompts = {replica: prompt_of(f"twin{replica}") for replica in range(sim.replicas)}
+    for replica, prompt in prompts.items():
+        send(sim, replica, prompt)
+
+    def holdings(g: Gateway) -> dict[str, list[tuple[str, dict]]]:
+        return {
+            prompt: [(r["name"], r["cached_tokens"]) for r in explain(g, prompt)["replicas"]]
+            for prompt in prompts.values()
+        }
+
+    for replica, prompt in prompts.items():
+        wait_held(gw, prompt, replica)
+    seen = holdings(gw)
+    deadline = time.monotonic() + SAME_HOLDINGS_WITHIN_S
+    while holdings(twin_gw) != seen:
+        assert time.monotonic() < deadline, f"twin still differs: {holdings(twin_gw)} != {seen}"
+        time.sleep(0.02)
+
+
+def test_reset_cache_clears_the_replicas_holdings_at_once(sim: Sim, gw: Gateway) -> None:
+    prompt = prompt_of("reset")
+    send(sim, 0, prompt)
+    generation = row(wait_held(gw, prompt, 0), 0)["generation"]
+    sim_fault(sim, 1, "reset_cache", 0)  # AllBlocksCleared on the replica's next (immediate) frame
+    wait_gone(gw, prompt, 0)
+    assert row(explain(gw, prompt), 0)["generation"] > generation
+
+
+def sim_fault_body(sim: Sim, replica: int, body: dict) -> None:
+    """A fault with parameters (``sim_fault`` sends only the action)."""
+    httpx.post(sim.url(replica) + "/sim/fault", json=body, timeout=5).raise_for_status()
