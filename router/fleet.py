@@ -111,7 +111,7 @@ class FleetListener:
         """A replica left the fleet."""
 
     def on_reset(self, name: str, reason: str) -> None:
-        """The replica's cached state is in doubt (``recovered``): forget it."""
+        """The replica's cached state is in doubt (``down``, ``recovered``): forget it."""
 
 
 class Fleet:
@@ -338,6 +338,7 @@ class Fleet:
         replica.healthy = transition == "up"
         if transition == "down":
             log.warning("replica %s marked down (health checks failing)", replica.name)
+            self._notify("on_reset", replica.name, "down")  # a dead engine's cache is gone: no hit, no source
         elif was_down:
             replica.generation += 1
             replica.breaker.reset()

@@ -258,6 +258,23 @@ def test_reset_cache_clears_the_replicas_holdings_at_once(sim: Sim, gw: Gateway)
     assert row(explain(gw, prompt), 0)["generation"] > generation
 
 
+def test_health_loss_clears_the_replicas_holdings_and_recovery_rebuilds(sim: Sim, gw: Gateway) -> None:
+    prompt = prompt_of("health")
+    send(sim, 2, prompt)
+    generation = row(wait_held(gw, prompt, 2), 2)["generation"]
+    sim_fault(sim, 0, "unhealthy", 2)
+    try:
+        down = wait_until(lambda: (e := explain(gw, prompt)) and not row(e, 2)["healthy"] and e)
+        assert row(down, 2)["cached_tokens"]["gpu"] == 0 and row(down, 2)["generation"] > generation
+    finally:
+        sim_fault(sim, 0, "healthy", 2)
+    wait_until(lambda: row(explain(gw, prompt), 2)["healthy"])
+    assert gpu_tokens(gw, prompt, 2) == 0  # recovery forgets again: nothing from before the outage is trusted
+    rebuilt = prompt_of("after-recovery")
+    send(sim, 2, rebuilt)
+    wait_held(gw, rebuilt, 2)
+
+
 def sim_fault_body(sim: Sim, replica: int, body: dict) -> None:
     """A fault with parameters (``sim_fault`` sends only the action)."""
     httpx.post(sim.url(replica) + "/sim/fault", json=body, timeout=5).raise_for_status()

@@ -257,7 +257,7 @@ async def test_health_loop_marks_down_and_recovery_bumps_generation(
         eng.healthy = True
         await wait_for(lambda: r.healthy)
         assert r.generation == 1
-        assert rec.events == [("added", "e"), ("reset", "e", "recovered")]
+        assert rec.events == [("added", "e"), ("reset", "e", "down"), ("reset", "e", "recovered")]
     finally:
         await fleet.stop()
 
