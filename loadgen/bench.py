@@ -175,12 +175,13 @@ def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet) -> Ite
         yield url
 
 
-def attach_engine_ttft(records: list[RequestRecord], replica_urls: list[str]) -> None:
-    """Fill each record's model-clock TTFT from the sim replicas' /sim/requests (matched by X-Request-Id; a peer
-    router that does not forward it leaves them empty). Wall-clock latencies on a shared machine include CPU starvation of the sim and the router;
-    the model clock counts only the queueing and prefill the routing decision caused."""
+def attach_engine_view(records: list[RequestRecord], fleet: Fleet) -> None:
+    """Fill in what the sim replicas saw (their /sim/requests, matched by X-Request-Id): each request's TTFT on the
+    model clock, and the replica that served it when the router did not say (a peer router sends no
+    x-kvgate-replica header). Wall-clock latencies on a shared machine include CPU starvation of the sim and the
+    router; the model clock counts only the queueing and prefill the routing decision caused."""
     by_id = {r.request_id: r for r in records}
-    for url in replica_urls:
+    for url, name in zip(fleet.replica_urls, fleet.replica_names):
         try:
             resp = httpx.get(url + "/sim/requests", params={"limit": 100_000}, timeout=10.0)
             entries = resp.json().get("requests", []) if resp.status_code == 200 else []
@@ -188,7 +189,10 @@ def attach_engine_ttft(records: list[RequestRecord], replica_urls: list[str]) ->
             continue
         for entry in entries:
             record = by_id.get((entry.get("headers") or {}).get("x-request-id"))
-            if record is not None and isinstance(entry.get("ttft_ms"), (int, float)):
+            if record is None:
+                continue
+            record.replica = record.replica or name
+            if isinstance(entry.get("ttft_ms"), (int, float)):
                 record.engine_ttft_ms = float(entry["ttft_ms"])
 
 
@@ -280,7 +284,7 @@ def _run_one(
         front = sglang_gateway(args, out_dir, fleet) if name == "sglang" else gateway(args, out_dir, fleet, name)
         with front as url:
             records = drive(requests, run_config(args, url))
-        attach_engine_ttft(records, fleet.replica_urls)
+        attach_engine_view(records, fleet)
         return records, fleet.replica_names, url
 
 

@@ -3,6 +3,7 @@ and every process it started is gone afterwards."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import subprocess
@@ -58,3 +59,22 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
     assert len(fleets) == 2
     for path in fleets:
         assert not any(_listening(r.url) for r in load_config(path).replicas)
+
+
+@pytest.mark.skipif(not all(p.exists() for p in NEEDS), reason="kvgate sim and kvgate serve are not both present yet")
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")
+def test_tiny_bench_with_the_sglang_peer(tmp_path: Path) -> None:
+    """The peer runs on its own identical fleet; the replica that served each request comes from the sim itself."""
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "router.cli", "bench", "--workload", "unique", "--policies", "round_robin",
+        "--peer", "sglang", "--replicas", "2", "--time-scale", "0.01", "--requests", "10", "--prompt-tokens", "64",
+        "--output-tokens", "4", "--rate", "40", "--ready-timeout", "30", "--out", str(out),
+    ]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    peer = doc["summaries"]["sglang"]
+    assert peer["ok"] == 10 and sum(peer["requests_per_replica"].values()) == 10
+    assert all(r["replica"] and r["engine_ttft_ms"] is not None for r in doc["requests"]["sglang"])
+    assert not any(_listening(url) for url in doc["meta"]["targets"].values())
