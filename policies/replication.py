@@ -77,7 +77,8 @@ class HotPrefixTracker:
     * heat ≥ ``min_saving_ms_per_s`` and the prefix has ≥ ``min_prefix_tokens`` tokens;
     * every healthy holder's queue delay exceeds the best non-holder's ``queue delay + prefill_ms(prefix)`` (the
       holders are the bottleneck: requests would rather recompute elsewhere than wait);
-    * holders (as the prefix index reports them) < ``max_replicas_per_prefix``;
+    * routable holders (as the prefix index reports them) < ``max_replicas_per_prefix``: a draining holder keeps
+      its cache in the index (a transfer may pull it) but serves none of the prefix's traffic;
     * no warm-up of this prefix is in flight (until its target shows up as a holder, the router reports it
       finished, or ``warmup_timeout_s`` passes);
     * the global token bucket (``warmup_budget_tokens_per_s``, one second of burst) holds the prefix's tokens.
@@ -187,7 +188,7 @@ class HotPrefixTracker:
         holders = [h for h in entry.holders if h in queues]
         if not holders:
             return None
-        if len(entry.holders) >= self.config.max_replicas_per_prefix:
+        if len(holders) >= self.config.max_replicas_per_prefix:
             self.counts[("skipped", "cap")] += 1
             return None
         source = min(holders, key=lambda h: queues[h])

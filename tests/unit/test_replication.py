@@ -108,6 +108,13 @@ def test_per_prefix_replica_cap() -> None:
     assert tracker.counts[("skipped", "cap")] == 1
 
 
+def test_a_draining_holder_does_not_count_toward_the_cap() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig(max_replicas_per_prefix=2))
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a", "c"})
+    fleet = [view("a", queued=10), view("b"), view("c", healthy=False)]  # c: draining, still holds the prefix
+    assert [w.target for w in tracker.plan(fleet, MODEL, now)] == ["b"]
+
+
 def test_global_budget_limits_warmups_and_refills() -> None:
     tracker = HotPrefixTracker(ReplicationConfig(warmup_budget_tokens_per_s=10_000))
     now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
