@@ -290,9 +290,11 @@ class Router:
         return out
 
     def observe(self, routed: Routed, replica: str, ttft_ms: float, prompt_tokens: int, cached_tokens: int) -> None:
-        """A measured first token: a sample for the model's calibrator (bounded, robust fit)."""
+        """A measured first token: a sample for the model's calibrator (bounded, robust fit). Transfers are not
+        prefill samples: their TTFT is a first leg plus a KV pull, and engines do not report pulled tokens as
+        cached, so they would read as a whole prompt prefilled implausibly fast."""
         calibrator = routed.routing.calibrator
-        if calibrator is None:
+        if calibrator is None or routed.decision.action == "transfer":
             return
         calibrator.observe(prompt_tokens, cached_tokens, ttft_ms, routed.queue_delay_ms(replica))
 
