@@ -11,6 +11,13 @@ On a gap the subscriber asks the replica's replay endpoint (a ROUTER) with a DEA
 ``[b"", seq, payload]`` (older) replies until the end marker (``seq == END_SEQ``), within ``replay_timeout_s``.
 The replayed frames go through the same sequence rules. If there is no replay endpoint, it times out, or its
 buffer no longer starts at the missing frame, the replica is purged and the stream resumes from the live frame.
+
+An engine that restarted while its frames were being missed counts from 0 again and may be past the missing number
+by the time a frame gets through: its replay buffer would then fill the gap with the new engine's frames, and
+everything the old engine held would stay in the index for good. So when it can, the subscriber asks the replay from
+the last frame it applied and checks that the engine sends back those very bytes (a batch carries its timestamp, so
+two engines never publish the same payload); if not, the replica is reset under a new generation (reason
+``replay_mismatch``) and the stream resumes from the live frame.
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ class KvEventSubscriber:
         self.frames_received = 0
         self.malformed_frames = 0
         self.reconnects = 0
+        self._last_applied: tuple[int, bytes] | None = None
+        """The last frame applied, to check that a replay comes from the same engine instance."""
         self._context = context or zmq.asyncio.Context.instance()
         self._task: asyncio.Task[None] | None = None
 
@@ -121,7 +130,9 @@ class KvEventSubscriber:
             return self._malformed_frame()
         seq = int.from_bytes(seq_frame, "big")
         result = self.ingestor.apply(self.name, seq, payload, self.dp_rank)
-        if result.status is ApplyStatus.GAP:
+        if result.applied:
+            self._last_applied = (seq, payload)
+        elif result.status is ApplyStatus.GAP:
             assert result.expected is not None
             await self._repair(result.expected, seq, payload)
         return result
@@ -135,8 +146,17 @@ class KvEventSubscriber:
         generation = self.ingestor.generation(self.name)
         if self.replay_endpoint is not None:
             stats.replays_requested += 1
+            anchor = self._last_applied if self._last_applied and self._last_applied[0] == expected - 1 else None
             try:
-                replayed = await self._fetch_replay(expected)
+                replayed = await self._fetch_replay(expected if anchor is None else anchor[0])
+                if anchor is not None and replayed and replayed[0][0] == anchor[0]:
+                    if replayed[0][1] != anchor[1]:
+                        stats.replays_failed += 1
+                        log.warning("kv-events %s: the engine restarted behind a gap; resetting", self.name)
+                        self.ingestor.reset_replica(self.name, "replay_mismatch")
+                        self._apply_live(live_seq, live_payload)
+                        return
+                    replayed = replayed[1:]
                 if not replayed or replayed[0][0] != expected:
                     raise ReplayFailed(f"replay starts at {replayed[0][0] if replayed else None}, need {expected}")
                 for seq, payload in replayed:
@@ -150,11 +170,16 @@ class KvEventSubscriber:
                 log.warning("kv-events %s: replay from %d failed (%s); purging", self.name, expected, exc)
             else:
                 stats.replays_succeeded += 1
+                self._last_applied = replayed[-1]
                 if replayed[-1][0] < live_seq:
-                    self.ingestor.apply(self.name, live_seq, live_payload, self.dp_rank)
+                    self._apply_live(live_seq, live_payload)
                 return
         self.ingestor.purge(self.name, self.dp_rank)
-        self.ingestor.apply(self.name, live_seq, live_payload, self.dp_rank)
+        self._apply_live(live_seq, live_payload)
+
+    def _apply_live(self, seq: int, payload: bytes) -> None:
+        if self.ingestor.apply(self.name, seq, payload, self.dp_rank).applied:
+            self._last_applied = (seq, payload)
 
     async def _fetch_replay(self, start_seq: int) -> list[tuple[int, bytes]]:
         """Every buffered ``(seq, payload)`` from ``start_seq`` on, read from the replay ROUTER until its end marker."""

@@ -190,6 +190,30 @@ def test_dropped_frames_are_repaired_by_replay(sim: Sim, gw: Gateway) -> None:
     assert events_metric(gw, "replays_succeeded") == succeeded + 1
 
 
+def test_a_restart_hidden_behind_a_gap_is_not_replayed_into_the_old_generation(sim: Sim, gw: Gateway) -> None:
+    """The engine restarts while kvgate misses its frames, and counts past the missing number before a frame gets
+    through: the new engine's replay buffer covers the gap, but its frames must not extend the old engine's state."""
+    before = prompt_of("before-hidden-restart")
+    send(sim, 0, before)
+    generation = row(wait_held(gw, before, 0), 0)["generation"]
+    sim_fault_body(sim, 0, {"action": "drop_events", "fraction": 1.0})
+    try:
+        send(sim, 0, prompt_of("unseen-before-hidden-restart"))
+        old_next_seq = next_seq(sim, 0)
+        sim_fault(sim, 1, "restart", 0)
+        wait_until(lambda: send(sim, 0, prompt_of(f"unseen-after-restart-{next_seq(sim, 0)}")) >= 0
+                   and next_seq(sim, 0) > old_next_seq + 1)
+    finally:
+        sim_fault_body(sim, 0, {"action": "drop_events", "fraction": 0.0})
+    after = prompt_of("after-hidden-restart")
+    send(sim, 0, after)
+    wait_held(gw, after, 0)
+    explained = explain(gw, before)
+    assert row(explained, 0)["cached_tokens"]["gpu"] == 0 and row(explained, 0)["generation"] > generation
+    assert send(sim, 0, before) == 0  # the engine indeed lost it
+    assert events_metric(gw, "resets", key="replay_mismatch") == 1
+
+
 def test_without_replay_a_gap_purges_the_replica_and_holdings_rebuild(sim: Sim, gw: Gateway) -> None:
     kept = prompt_of("held-before-gap")
     send(sim, 1, kept)
@@ -273,6 +297,10 @@ def test_health_loss_clears_the_replicas_holdings_and_recovery_rebuilds(sim: Sim
     rebuilt = prompt_of("after-recovery")
     send(sim, 2, rebuilt)
     wait_held(gw, rebuilt, 2)
+
+
+def next_seq(sim: Sim, replica: int) -> int:
+    return httpx.get(sim.url(replica) + "/sim/stats", timeout=5).json()["events"]["next_seq"]
 
 
 def sim_fault_body(sim: Sim, replica: int, body: dict) -> None:

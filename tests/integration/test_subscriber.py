@@ -122,7 +122,7 @@ async def test_live_frames_apply_and_a_dropped_frame_is_repaired_by_replay(fleet
         for seq in range(4, 10):
             await engine.publish(seq, payload(seq))
         await wait_until(lambda: held_tokens(index) == len(TOKENS), "all ten blocks")
-        assert engine.replay_requests == [2]
+        assert engine.replay_requests == [1]  # from the last frame applied, to check it is the same engine
         assert ingestor.stats.gaps_detected == 1
         assert ingestor.stats.replays_succeeded == 1 and ingestor.stats.purges == 0
     finally:
@@ -140,9 +140,30 @@ async def test_replay_that_no_longer_covers_the_gap_purges(fleet) -> None:
         del engine.buffer[2]  # fell out of the engine's replay buffer
         await engine.publish(3, payload(3))
         await wait_until(lambda: ingestor.expected_seq("r") == 4, "frame 3")
-        assert engine.replay_requests == [2]
+        assert engine.replay_requests == [1]
         assert ingestor.stats.replays_failed == 1 and ingestor.stats.purges == 1
         assert held_tokens(index) == 0  # block 3's parent was purged: nothing is guessed
+    finally:
+        await engine.close()
+
+
+async def test_an_engine_restarted_behind_a_gap_is_reset_not_replayed_into_the_old_generation(fleet) -> None:
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, port_block(2))
+    try:
+        manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
+        await connect(engine, ingestor)
+        await engine.publish(1, payload(1))
+        await wait_until(lambda: held_tokens(index) == 8, "two blocks")
+        engine.buffer.clear()  # restarted: counts from 0 again, and kvgate misses every frame up to seq 4
+        empty = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[]))
+        for seq in range(4):
+            await engine.publish(seq, empty, drop=True)
+        await engine.publish(4, empty)
+        await wait_until(lambda: ingestor.expected_seq("r") == 5, "frame 4")
+        assert engine.replay_requests == [1]
+        assert ingestor.stats.replays_failed == 1 and ingestor.stats.resets["replay_mismatch"] == 1
+        assert ingestor.generation("r") == 1 and held_tokens(index) == 0
     finally:
         await engine.close()
 
