@@ -240,7 +240,7 @@ class ModelTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt, as vLLM encodes it (special tokens in the text are parsed as such)."""
         # encode_batch releases the GIL (encode does not), so other threads and the event loop keep running.
-        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return self.prefix_ids + ids + self.suffix_ids if add_special_tokens else ids
 
     def template_for(self, chat_template: str | None) -> ChatTemplate:
@@ -351,10 +351,6 @@ ASCII_GRAPHIC = frozenset(chr(c) for c in range(0x21, 0x7F))
 """GPT-2's ByteLevel regex ends a pre-token at any non-space character followed by whitespace; ASCII keeps the test
 free of Unicode whitespace-class differences between Python and the tokenizer's regex engine."""
 
-CHUNK_SEARCH_LIMIT = 64
-"""Newlines examined for a cut before skipping ``chunk_chars`` ahead, so newline-dense text stays cheap to cut."""
-
-
 class PromptSplitter:
     """Cuts prompt text into pieces whose token ids, concatenated, equal the ids of the whole text.
 
@@ -363,11 +359,13 @@ class PromptSplitter:
     * at added tokens (``<|im_start|>``...): Hugging Face tokenizers extract them before normalising and
       pre-tokenising, so the text between two of them is encoded independently. Chat templates put them around every
       message, so a growing chat re-encodes only its new messages.
-    * inside long text (documents), before a newline that follows an ASCII letter or digit (for GPT-2's ByteLevel
-      regex: any ASCII non-space character), at most every ``chunk_chars`` characters: with a ByteLevel pre-tokenizer
-      of the GPT-2 / Llama 3 / Qwen family no pre-token spans that point, and BPE never merges across pre-tokens. Cut
-      points depend only on the text before them, so two prompts sharing a document prefix share its pieces. Only
-      made in text free of added tokens (so none can straddle a cut).
+    * inside long text (documents), before a space or newline that follows an ASCII letter or digit (for GPT-2's
+      ByteLevel regex: any ASCII non-space character), at most every ``chunk_chars`` characters: with a ByteLevel
+      pre-tokenizer of the GPT-2 / Llama 3 / Qwen family no pre-token spans that point (each pattern ends a word,
+      number or punctuation run before whitespace and only ever starts one with it), and BPE never merges across
+      pre-tokens. Cut points depend only on the text before them, so two prompts sharing a document prefix share its
+      pieces; text with no newline at all (a one-line document) is cut as well. Only made in text free of added
+      tokens (so none can straddle a cut).
 
     When a check fails (another tokenizer family, added tokens that strip whitespace...) that cut is simply not made
     and the larger piece is encoded whole: slower, never wrong.
@@ -379,18 +377,18 @@ class PromptSplitter:
         spec = json.loads(tokenizer.to_str())
         self._added_ids = added
         self._added_re = _added_token_pattern(tokenizer, spec, added)
-        self._chunk_end_chars: frozenset[str] = frozenset()
+        self._cut_re: re.Pattern[str] | None = None
         self.splits_at_added_tokens = self._added_re is not None and self._check_added_token_cuts(tokenizer, added)
         if not self.splits_at_added_tokens:
             self._added_re = None
         if self.splits_at_added_tokens or not added:
-            self._chunk_end_chars = _chunk_end_chars(spec)
-        if self._chunk_end_chars and not self._check_chunk_cuts(tokenizer, added):
-            self._chunk_end_chars = frozenset()
+            self._cut_re = _cut_pattern(_chunk_end_chars(spec))
+        if self._cut_re is not None and not self._check_chunk_cuts(tokenizer, added):
+            self._cut_re = None
 
     @property
     def splits_long_text(self) -> bool:
-        return bool(self._chunk_end_chars)
+        return self._cut_re is not None
 
     def pieces(self, text: str) -> list[Piece]:
         if self._added_re is None:
@@ -404,22 +402,18 @@ class PromptSplitter:
         return pieces
 
     def _chunks(self, text: str) -> list[Piece]:
-        """Cuts before a newline that follows an eligible character, once ``chunk_chars`` have passed since the last
-        cut; the tail keeps at least ``chunk_chars``. Found with ``str.find`` (memchr), not a regex scan."""
+        """Cuts at the first cut point once ``chunk_chars`` have passed since the last cut; the tail keeps at least
+        ``chunk_chars``. Each search starts where the last one may cut, so the whole text is scanned at most once."""
         size = self.chunk_chars
-        if not self._chunk_end_chars or len(text) < 2 * size:
+        if self._cut_re is None or len(text) < 2 * size:
             return [text]
-        end_chars = self._chunk_end_chars
+        search = self._cut_re.search
         chunks: list[Piece] = []
-        start, pos, stop, examined = 0, size, len(text) - size, 0
-        while (cut := text.find("\n", pos, stop)) >= 0:
-            if text[cut - 1] in end_chars:
-                chunks.append(text[start:cut])
-                start, pos, examined = cut, cut + size, 0
-            elif (examined := examined + 1) < CHUNK_SEARCH_LIMIT:
-                pos = cut + 1
-            else:
-                pos, examined = cut + size, 0
+        start, stop = 0, len(text) - size
+        while (found := search(text, start + size, stop)) is not None:
+            cut = found.start()
+            chunks.append(text[start:cut])
+            start = cut
         chunks.append(text[start:])
         return chunks
 
@@ -459,6 +453,14 @@ def _added_token_pattern(tokenizer: Tokenizer, spec: dict[str, Any], added: dict
             return None
     alternatives = sorted(added, key=len, reverse=True)
     return re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
+
+
+def _cut_pattern(end_chars: frozenset[str]) -> re.Pattern[str] | None:
+    """A space or newline right after one of ``end_chars`` (the cut is made before it); None when there are none.
+    The whitespace comes first in the pattern so the regex engine scans for it with its fast character-set search."""
+    if not end_chars:
+        return None
+    return re.compile("[ \n](?<=[" + "".join(re.escape(c) for c in sorted(end_chars)) + "][ \n])")
 
 
 def _chunk_end_chars(spec: dict[str, Any]) -> frozenset[str]:
