@@ -26,16 +26,19 @@ class _Candidate:
 
 class CostPolicy:
     """Per eligible replica, predict TTFT = queue delay + lower-tier load + prefill of the uncached tokens
-    (:class:`policies.cost_model.CostModel`); when a KV connector is configured, also predict pulling the best warm
-    replica's prefix to each other replica. Pick the minimum.
+    (:class:`policies.cost_model.CostModel`); when a KV connector is configured, also predict pulling the longest
+    prefix any replica can source (routable or draining, see ``ReplicaView.can_source``) to each other replica.
+    Pick the minimum. A transfer from a routable source never beats routing to that source (its first leg waits in
+    the same queue); it wins when the warm replica takes no new requests — a drained replica's long prefix is
+    pulled instead of recomputed — and loses to recompute for short prefixes, where link setup dominates.
 
     Near-ties — candidates within ``max(tie_margin × best, tie_margin_ms)`` of the best — go to the least-loaded
     one, a plain route before a transfer, then at random: several routers seeing the same fleet do not all herd
     onto the same replica, and equal cold replicas share the traffic.
 
     Reasons: ``transfer``; ``warm`` (the chosen replica holds part of the prompt); ``idle-recompute`` (another
-    replica holds more of it, but waiting there costs more than recomputing here); ``cold`` (no replica holds any
-    of it); ``session`` (the session bonus alone made the choice).
+    replica holds more of it, but waiting there costs more than recomputing here); ``cold`` (no routable replica
+    holds any of it); ``session`` (the session bonus alone made the choice).
 
     Parameters (``policy.cost``):
         tie_margin: 0.05 — near-tie fraction of the best predicted TTFT.
