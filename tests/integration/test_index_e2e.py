@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from router.tenants import cache_salt_for
 from tests.integration.test_gateway import MODEL, gateway_config, metric_value, sim_fault, wait_until
 from tests.support import Gateway, Sim, start_kvgate, start_sim
 
@@ -40,17 +41,19 @@ def sim(workdir: Path) -> Iterator[Sim]:
     s.stop()
 
 
-def start_subscribed(sim: Sim, workdir: Path, name: str, **sections: dict) -> Gateway:
+def start_subscribed(sim: Sim, workdir: Path, name: str, api_key: str | None = None, **sections: dict) -> Gateway:
     """A kvgate whose replicas are all routable and whose event subscriptions all deliver (ZMQ drops what a PUB
-    sends before a SUB has joined, so a test's first prompt could otherwise go unseen)."""
+    sends before a SUB has joined, so a test's first prompt could otherwise go unseen). With tenants, the probes
+    carry the cache salt kvgate derives for ``api_key``'s tenant."""
     g = start_kvgate(workdir, gateway_config(sim, workdir, name, **sections))
+    salt = None if api_key is None else cache_salt_for(TENANT_KEYS[api_key], None)
     try:
         wait_until(lambda: httpx.get(g.url + "/ready", timeout=5).json().get("routable") == [
             f"sim-{i}" for i in range(sim.replicas)])
-        if "tenants" not in sections:
-            for replica in range(sim.replicas):
-                probe = prompt_of(f"{name}-joined-{replica}", words=8)
-                wait_until(lambda: send(sim, replica, probe) >= 0 and gpu_tokens(g, probe, replica) > 0, interval=0.1)
+        for replica in range(sim.replicas):
+            probe = prompt_of(f"{name}-joined-{replica}", words=8)
+            wait_until(lambda: send(sim, replica, probe, salt) >= 0 and gpu_tokens(g, probe, replica, api_key) > 0,
+                       interval=0.1)
     except BaseException:
         g.stop()
         raise
@@ -74,7 +77,7 @@ def twin_gw(sim: Sim, workdir: Path) -> Iterator[Gateway]:
 
 @pytest.fixture(scope="module")
 def tenant_gw(sim: Sim, workdir: Path) -> Iterator[Gateway]:
-    g = start_subscribed(sim, workdir, "kvgate-tenants.yaml", tenants={"api_keys": TENANT_KEYS})
+    g = start_subscribed(sim, workdir, "kvgate-tenants.yaml", "key-alpha", tenants={"api_keys": TENANT_KEYS})
     yield g
     g.stop()
 
@@ -84,11 +87,12 @@ def prompt_of(label: str, words: int = 20) -> str:
     return " ".join(f"{label}-{i}" for i in range(words))
 
 
-def send(sim: Sim, replica: int, prompt: str) -> int:
+def send(sim: Sim, replica: int, prompt: str, cache_salt: str | None = None) -> int:
     """One completion straight to a sim replica (its KV events reach every subscribed kvgate); the prompt tokens the
     engine found cached."""
     client = openai.OpenAI(base_url=sim.url(replica) + "/v1", api_key="unused", max_retries=0, timeout=30)
-    usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage
+    extra = {} if cache_salt is None else {"cache_salt": cache_salt}
+    usage = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=extra).usage
     assert usage is not None and usage.prompt_tokens_details is not None
     return usage.prompt_tokens_details.cached_tokens or 0
 
