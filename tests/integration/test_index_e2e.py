@@ -147,6 +147,26 @@ def test_a_completed_request_is_held_by_the_replica_that_served_it(gw: Gateway) 
             assert other["cached_tokens"] == {"gpu": 0, "cpu": 0, "storage": 0, "predicted": 0}
 
 
+def test_a_prediction_no_event_confirms_is_forgotten_at_its_ttl(sim: Sim, gw: Gateway) -> None:
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    prompt = prompt_of("predicted")
+    for replica in range(sim.replicas):
+        sim_fault_body(sim, replica, {"action": "drop_events", "fraction": 1.0})
+    try:
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
+        served = int(raw.headers["x-kvgate-replica"].removeprefix("sim-"))
+        explained = explain(gw, prompt)  # well within the default 2 s TTL
+        assert row(explained, served)["cached_tokens"] == {
+            "gpu": 0, "cpu": 0, "storage": 0, "predicted": full_blocks(explained)}
+        wait_until(lambda: row(explain(gw, prompt), served)["cached_tokens"]["predicted"] == 0)
+        assert gpu_tokens(gw, prompt, served) == 0
+    finally:
+        for replica in range(sim.replicas):
+            sim_fault_body(sim, replica, {"action": "drop_events", "fraction": 0.0})
+    send(sim, served, prompt_of("reveals-unconfirmed"))  # the gap is replayed: now events confirm the blocks
+    wait_held(gw, prompt, served)
+
+
 def test_eviction_removes_the_evicted_blocks(sim: Sim, gw: Gateway) -> None:
     first = prompt_of("evicted")
     send(sim, 2, first)
