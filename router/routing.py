@@ -321,6 +321,8 @@ class Router:
             replicas.append({
                 "name": name,
                 "healthy": view.healthy,
+                "draining": view.draining,
+                "can_source": view.can_source,
                 "generation": view.generation if generation is None else generation,
                 "cached_tokens": view.match.as_dict(),
                 "queue_delay_ms": row.pop("queue_delay_ms", 0.0),

@@ -120,6 +120,11 @@ def test_draining_holder_is_pulled_from_instead_of_recomputing(
     wait_until(lambda: gpu_cached(gw, question)[source] >= doc_tokens, timeout=10)
 
     drain(gw, source)
+    rows = {r["name"]: r for r in explain(gw, question)["replicas"]}
+    assert {k: rows[source][k] for k in ("healthy", "draining", "can_source")} == {
+        "healthy": False, "draining": True, "can_source": True,
+    }
+    assert rows[source]["cached_tokens"]["gpu"] >= doc_tokens  # drained, but its cache is still known
     samples = calibration_samples(gw)
     assert samples >= 1  # the warming request (a plain route) was one
     plan = explain(gw, question)
