@@ -46,6 +46,7 @@ class ReplicaView:
     while draining. A draining replica takes no new requests but still holds its cache: pulling its KV beats
     recomputing a long prefix elsewhere. A replica failing requests (breaker open or half-open) is never a source."""
     draining: bool = False
+    """Taken out of rotation by an operator (``/admin/replicas/{name}/drain``): no new requests, cache kept."""
     in_flight: int = 0
     """Requests the router has dispatched to this replica and not yet seen complete."""
     in_flight_prefill_tokens: int = 0
