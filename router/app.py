@@ -48,7 +48,9 @@ from router.proxy import (
     StreamResult,
     Upstream,
     Usage,
+    cancel_on_disconnect,
     create_session,
+    left_early,
     relay_stream,
     usage_of_body,
 )
@@ -406,11 +408,11 @@ class Gateway:
         when the client leaves: a task for the forward plus ``asyncio.wait`` cost more CPU per request."""
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, task))
+        watcher = asyncio.ensure_future(cancel_on_disconnect(request.receive, task))
         try:
             return await self.proxy.forward(fwd, dispatcher)
         except asyncio.CancelledError:
-            if watcher.done() and not watcher.cancelled() and watcher.exception() is None:  # the client left
+            if left_early(watcher):
                 task.uncancel()
                 return None
             raise
@@ -581,14 +583,6 @@ class Gateway:
         elif not routed.request.approximate:
             request = routed.request
             self.router.observe(routed, replica, ttft_ms, request.prompt_tokens, routed.matched_tokens(replica))
-
-
-async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any]) -> None:
-    """Cancels ``task`` when the client closes the connection (the body was already read, so ``receive`` only
-    reports that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    task.cancel()
 
 
 def _int_header(headers: Headers, name: str) -> int | None:

@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 import msgspec
-from starlette.responses import StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from policies.config import ProxyConfig
@@ -350,14 +350,47 @@ async def relay_stream(upstream: Upstream, on_end: Callable[[StreamResult], None
         on_end(StreamResult(end, usage, time.monotonic()))
 
 
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse that always finalises its relay when the ASGI call ends (done, cancelled, or the client
-    disconnected), instead of leaving the generator to the garbage collector: the upstream is closed at once."""
+async def cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    """Cancels ``task`` when the client closes the connection. Only for requests whose body was already read, so
+    ``receive`` has nothing else to report. Run it as a task next to the work it guards."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    task.cancel()
 
-    body_iterator: Any
+
+def left_early(watcher: asyncio.Task[None]) -> bool:
+    """Whether a :func:`cancel_on_disconnect` watcher is what cancelled its task (the client left)."""
+    return watcher.done() and not watcher.cancelled() and watcher.exception() is None
+
+
+class RelayResponse(Response):
+    """Streams a relay (:func:`relay_stream`) to the client and always finalises it when the ASGI call ends (done,
+    cancelled, or the client disconnected), instead of leaving the generator to the garbage collector: the upstream
+    is closed at once.
+
+    Not Starlette's StreamingResponse: under uvicorn's ASGI spec 2.3 that runs every stream in an anyio task group
+    with a second task listening for the disconnect. Here one watcher task cancels the stream instead, which costs
+    less CPU per response and ends the relay just as promptly."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], status_code: int, headers: Mapping[str, str]) -> None:
+        self.body_iterator = chunks
+        self.status_code = status_code
+        self.background = None
+        self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(cancel_on_disconnect(receive, task))
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left_early(watcher):
+                raise
+            task.uncancel()
         finally:
-            await self.body_iterator.aclose()
+            watcher.cancel()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
