@@ -24,12 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import yaml
 from rich.console import Console
 
 from loadgen.cli import add_workload_arguments, drive, load_workload, run_config
 from loadgen.plots import write_plots
 from loadgen.report import compare, print_table, schedule_warning, summarize, write_results
 from loadgen.runner import RequestRecord
+from loadgen.runstats import group_cpu_seconds, scrape_gateway_counters
 from loadgen.workloads import Request
 from policies.config import ConfigError, load_config
 
@@ -65,6 +67,8 @@ class Child:
     args: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    url: str = ""
+    """Where it serves, once ready (gateways)."""
 
     def start(self) -> "Child":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,6 +122,8 @@ class Fleet:
     config_path: Path
     replica_urls: list[str]
     replica_names: list[str]
+    pid: int
+    """The sim's process-group leader (for its CPU seconds)."""
 
 
 @contextmanager
@@ -147,24 +153,48 @@ def sim_fleet(args: argparse.Namespace, out_dir: Path, label: str) -> Iterator[F
         deadline = time.monotonic() + args.ready_timeout
         while not config.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        apply_settings(config, args.set)
         names = [r.name for r in load_config(config).replicas]
-        yield Fleet(config, urls, names)
+        assert sim.proc is not None
+        yield Fleet(config, urls, names, sim.proc.pid)
+
+
+def apply_settings(config: Path, settings: list[str]) -> None:
+    """Edit the fleet's policy file with ``--set section.field=value`` overrides (values parsed as YAML), so a run
+    can vary the policy file (e.g. ``replication.enabled=false``) without a hand-written one."""
+    if not settings:
+        return
+    doc = yaml.safe_load(config.read_text()) or {}
+    for setting in settings:
+        path, sep, raw = setting.partition("=")
+        if not sep or not path:
+            raise ConfigError(f"--set {setting!r}: expected section.field=value")
+        *parents, leaf = path.split(".")
+        node = doc
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {setting!r}: {key} is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    load_config(config)  # a bad override fails here, naming the field, before any gateway starts
 
 
 @contextmanager
-def gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str) -> Iterator[str]:
-    """kvgate serve with ``policy`` in front of ``fleet``; yields its base URL once /ready says 200."""
+def gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str) -> Iterator[Child]:
+    """kvgate serve with ``policy`` in front of ``fleet``; yields it (``url`` set) once /ready says 200."""
     port = free_port_block(1)
     cmd = [*KVGATE, "serve", "--config", str(fleet.config_path), "--host", "127.0.0.1", "--port", str(port),
            "--policy", policy, *shlex.split(args.serve_args)]
     url = f"http://127.0.0.1:{port}"
     with running(Child(f"kvgate serve ({policy})", cmd, out_dir / "logs" / f"{policy}-kvgate.log")) as gw:
         gw.wait_ready(url + "/ready", args.ready_timeout)
-        yield url
+        gw.url = url
+        yield gw
 
 
 @contextmanager
-def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet) -> Iterator[str]:
+def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet) -> Iterator[Child]:
     """The SGLang Model Gateway with its cache_aware policy (default parameters) in front of ``fleet``."""
     port = free_port_block(1)
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *fleet.replica_urls,
@@ -172,7 +202,8 @@ def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet) -> Ite
     url = f"http://127.0.0.1:{port}"
     with running(Child("sglang router", cmd, out_dir / "logs" / "sglang-router.log")) as gw:
         gw.wait_ready(url + "/health", args.ready_timeout)
-        yield url
+        gw.url = url
+        yield gw
 
 
 def attach_engine_view(records: list[RequestRecord], fleet: Fleet) -> None:
@@ -208,6 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--peer-args", default="", help="extra arguments for the peer router")
     b.add_argument("--sim-args", default="", help="extra arguments for kvgate sim, e.g. '--cpu-blocks 4096'")
     b.add_argument("--serve-args", default="", help="extra arguments for kvgate serve")
+    b.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a policy-file field for every kvgate run, e.g. replication.enabled=false "
+                        "(repeatable; value parsed as YAML)")
     b.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for sim and gateway readiness")
     add_workload_arguments(parser)
     parser.set_defaults(speed=None)
@@ -240,10 +274,11 @@ def run(args: argparse.Namespace) -> int:
     records: dict[str, list[RequestRecord]] = {}
     fleets: dict[str, list[str]] = {}
     targets: dict[str, str] = {}
+    costs: dict[str, RunCost] = {}
     try:
         for name in runs:
             console.print(f"[bold]{name}[/]: starting a fresh fleet")
-            records[name], fleets[name], targets[name] = _run_one(args, out_dir, name, requests)
+            records[name], fleets[name], targets[name], costs[name] = _run_one(args, out_dir, name, requests)
             done = summarize(records[name], fleets[name])
             console.print(f"[bold]{name}[/]: {done['ok']}/{done['requests']} ok, TTFT mean {done['ttft_mean_ms']:.0f} ms")
     except (RuntimeError, ConfigError) as e:
@@ -254,13 +289,13 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    summaries = {name: summarize(recs, fleets[name]) for name, recs in records.items()}
+    summaries = {name: {**summarize(recs, fleets[name]), **costs[name].fields()} for name, recs in records.items()}
     ratios = compare(summaries)
     title = f"kvgate bench: {args.workload}, {args.replicas} replicas, time scale {args.time_scale}"
     meta = {
         "workload": args.workload, "seed": args.seed, "requests": len(requests), "replicas": args.replicas,
         "kv_blocks": args.kv_blocks, "time_scale": args.time_scale, "speed": args.speed, "policies": runs,
-        "targets": targets,
+        "targets": targets, "settings": args.set,
         "argv": " ".join(sys.argv[1:]),
         "note": "simulated fleet (kvgate sim) with its stated cost constants; latencies are wall-clock (scaled) except"
                 " engine TTFT, which is the sim's model clock (unscaled ms, free of this machine's CPU noise)",
@@ -278,14 +313,41 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_one(
     args: argparse.Namespace, out_dir: Path, name: str, requests: list[Request]
-) -> tuple[list[RequestRecord], list[str], str]:
-    """One run on its own fleet: the records, the fleet's replica names, and the URL the workload was sent to."""
+) -> tuple[list[RequestRecord], list[str], str, RunCost]:
+    """One run on its own fleet: the records, the fleet's replica names, the URL the workload was sent to, and
+    what the run cost (CPU) and did (gateway counters)."""
     with sim_fleet(args, out_dir, name) as fleet:
         front = sglang_gateway(args, out_dir, fleet) if name == "sglang" else gateway(args, out_dir, fleet, name)
-        with front as url:
-            records = drive(requests, run_config(args, url))
+        with front as gw:
+            assert gw.proc is not None
+            cpu_before = (group_cpu_seconds(gw.proc.pid), group_cpu_seconds(fleet.pid))
+            records = drive(requests, run_config(args, gw.url))
+            cpu_after = (group_cpu_seconds(gw.proc.pid), group_cpu_seconds(fleet.pid))
+            counters = scrape_gateway_counters(gw.url) if name != "sglang" else None
         attach_engine_view(records, fleet)
-        return records, fleet.replica_names, url
+        return records, fleet.replica_names, gw.url, RunCost(
+            router_cpu_s=_delta(cpu_before[0], cpu_after[0]), sim_cpu_s=_delta(cpu_before[1], cpu_after[1]),
+            counters=counters,
+        )
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """CPU seconds the router and the sim used while the workload ran, and the gateway's counters at its end."""
+
+    router_cpu_s: float | None
+    sim_cpu_s: float | None
+    counters: dict[str, dict[str, float]] | None
+
+    def fields(self) -> dict[str, object]:
+        out: dict[str, object] = {"router_cpu_s": self.router_cpu_s, "sim_cpu_s": self.sim_cpu_s}
+        if self.counters is not None:
+            out["gateway"] = self.counters
+        return out
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    return after - before if before is not None and after is not None else None
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

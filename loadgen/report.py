@@ -47,6 +47,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("oracle_hit_ratio", "oracle hit ratio", "higher"),
     Metric("load_imbalance", "load imbalance (max/mean)", "lower"),
     Metric("send_lag_mean_ms", "client send lag mean", "lower", "ms"),
+    Metric("router_cpu_s", "router CPU during run", "lower", "s"),
+    Metric("sim_cpu_s", "sim CPU during run", "lower", "s"),
     Metric("errors", "errors", "lower"),
 )
 
@@ -214,8 +216,26 @@ def markdown_report(title: str, meta: dict[str, Any], summaries: dict[str, dict[
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Ratios: below 1 is better for latency, imbalance and errors; above 1 for throughput and hit ratio.",
               "Hit ratio = cached / prompt tokens reported by the engines; oracle = an infinite cache shared by the"
-              " whole fleet (block size 16)."]
+              " whole fleet (block size 16). CPU = user + system seconds of the process group while the workload ran."]
+    lines += gateway_counter_lines(summaries)
     return "\n".join(lines) + "\n"
+
+
+def gateway_counter_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
+    """What each kvgate did, from its /metrics at the end of the run: decisions by action/reason, hot-prefix
+    replication events, warm-up tokens, transfers. Runs without counters (peer routers) are left out."""
+    lines: list[str] = []
+    for name, summary in summaries.items():
+        counters = summary.get("gateway")
+        if not counters:
+            continue
+        parts = []
+        for group in ("decisions", "replication", "warmup_tokens", "transfers"):
+            values = {k: v for k, v in counters.get(group, {}).items() if v}
+            if values:
+                parts.append(f"{group} " + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(values.items())))
+        lines.append(f"- {name}: " + ("; ".join(parts) if parts else "no decisions counted"))
+    return ["", "Gateway counters at the end of each run:", ""] + lines if lines else []
 
 
 def print_table(title: str, summaries: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]],

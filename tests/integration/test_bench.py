@@ -47,6 +47,8 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
         assert s["engine_ttft_mean_ms"] > 0  # model-clock TTFT collected from the sim for every request
         assert 0 < s["oracle_hit_ratio"] < 1
         assert sum(s["requests_per_replica"].values()) == 20 and len(s["requests_per_replica"]) == 2
+        assert s["router_cpu_s"] > 0 and s["sim_cpu_s"] > 0  # CPU of each process group while the workload ran
+        assert sum(s["gateway"]["decisions"].values()) == 20  # one routing decision per request, from /metrics
     assert doc["summaries"]["round_robin"]["load_imbalance"] >= 1.0
     assert doc["ratios_to_best_baseline"]["ttft_mean_ms"]["best_baseline"] == "round_robin"
     assert all(r["replica"] and r["engine_ttft_ms"] is not None for r in doc["requests"]["cost"])

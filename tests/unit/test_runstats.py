@@ -1,0 +1,82 @@
+"""Bench's per-run accounting: CPU seconds of a process group from /proc, the gateway's counters from /metrics,
+policy-file overrides, and how they show in report.md."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from loadgen.bench import apply_settings
+from loadgen.report import markdown_report
+from loadgen.runstats import CLOCK_TICKS, group_cpu_seconds, parse_gateway_counters
+from policies.config import ConfigError, load_config
+
+METRICS_PAGE = """\
+# HELP kvgate_decisions_total Routing decisions by action and reason.
+# TYPE kvgate_decisions_total counter
+kvgate_decisions_total{action="route",reason="warm"} 40.0
+kvgate_decisions_total{action="route",reason="cold"} 8.0
+kvgate_decisions_created{action="route",reason="warm"} 1.7e9
+# HELP kvgate_transfers_total KV transfer handshakes by result (completed, fallback).
+# TYPE kvgate_transfers_total counter
+kvgate_transfers_total{result="completed"} 3.0
+# HELP kvgate_warmup_tokens_total Prompt tokens prefilled by hot-prefix warm-ups.
+# TYPE kvgate_warmup_tokens_total counter
+kvgate_warmup_tokens_total 8192.0
+# HELP kvgate_replication_started Hot-prefix warm-ups by reason: started
+# TYPE kvgate_replication_started gauge
+kvgate_replication_started{key="hot-prefix"} 2.0
+"""
+
+
+def _stat(pid: int, name: str, pgrp: int, utime: int, stime: int, cutime: int, cstime: int) -> str:
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime cutime cstime ...
+    return f"{pid} ({name}) S 1 {pgrp} {pgrp} 0 -1 0 0 0 0 0 {utime} {stime} {cutime} {cstime} 20 0 1 0\n"
+
+
+def test_group_cpu_sums_every_member_and_reaped_children(tmp_path: Path) -> None:
+    for pid, name, pgrp, times in [
+        (100, "kvgate sim", 100, (200, 100, 50, 50)),
+        (101, "worker (x) y", 100, (100, 0, 0, 0)),  # spaces and parentheses in the command name
+        (200, "other", 200, (9999, 0, 0, 0)),
+    ]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(_stat(pid, name, pgrp, *times))
+    (tmp_path / "self").mkdir()
+    assert group_cpu_seconds(100, tmp_path) == pytest.approx(500 / CLOCK_TICKS)
+    assert group_cpu_seconds(300, tmp_path) is None
+
+
+def test_group_cpu_of_this_process_group_is_real() -> None:
+    assert (group_cpu_seconds(os.getpgrp()) or 0.0) > 0.0
+
+
+def test_gateway_counters_are_read_by_label() -> None:
+    counters = parse_gateway_counters(METRICS_PAGE)
+    assert counters["decisions"] == {"route/warm": 40.0, "route/cold": 8.0}
+    assert counters["transfers"] == {"completed": 3.0}
+    assert counters["warmup_tokens"] == {"total": 8192.0}
+    assert counters["replication"] == {"started/hot-prefix": 2.0}
+
+
+def test_report_lists_each_gateways_counters() -> None:
+    summaries = {"cost": {"gateway": parse_gateway_counters(METRICS_PAGE), "router_cpu_s": 1.5}, "sglang": {}}
+    text = markdown_report("t", {}, summaries, {})
+    assert "- cost: decisions route/cold 8, route/warm 40; replication started/hot-prefix 2;" in text
+    assert "sglang:" not in text
+    assert "| router CPU during run (s) | 1.5 | n/a |" in text
+
+
+def test_settings_override_the_fleet_policy_file(tmp_path: Path) -> None:
+    config = tmp_path / "fleet.yaml"
+    config.write_text("replicas:\n  - {name: r0, url: 'http://127.0.0.1:1'}\n")
+    apply_settings(config, ["replication.enabled=false", "replication.min_saving_ms_per_s=500"])
+    loaded = load_config(config)
+    assert loaded.replication.enabled is False and loaded.replication.min_saving_ms_per_s == 500
+    assert [r.name for r in loaded.replicas] == ["r0"]
+    with pytest.raises(ConfigError):
+        apply_settings(config, ["replication.enabled"])
+    with pytest.raises(ConfigError):
+        apply_settings(config, ["replication.no_such_field=1"])
