@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -86,10 +88,7 @@ class KvEventSubscriber:
         return task
 
     async def stop(self) -> None:
-        task = self.cancel()
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await _ended([self.cancel()])
 
     def _connect(self) -> zmq.asyncio.Socket:
         sock = self._context.socket(zmq.SUB)
@@ -255,10 +254,14 @@ class SubscriptionManager:
         subscriber.start()
         return subscriber
 
-    async def stop(self, name: str) -> None:
-        """Stop every subscription of a replica."""
-        for key in [k for k in self._subscribers if k[0] == name]:
-            await self._subscribers.pop(key).stop()
+    def stop(self, name: str) -> Coroutine[Any, Any, None]:
+        """Stop every subscription of a replica; await the result to wait until they have ended.
+
+        They leave the manager and are cancelled at once, not when the coroutine first runs: a replica replaced in
+        the same breath (a reload that changes its endpoints) gets a new subscription that this stop never touches.
+        """
+        tasks = [self._subscribers.pop(key).cancel() for key in [k for k in self._subscribers if k[0] == name]]
+        return _ended(tasks)
 
     async def stop_all(self) -> None:
         for key in list(self._subscribers):
@@ -266,3 +269,10 @@ class SubscriptionManager:
 
     def subscribers(self) -> list[KvEventSubscriber]:
         return list(self._subscribers.values())
+
+
+async def _ended(tasks: list[asyncio.Task[None] | None]) -> None:
+    for task in tasks:
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml
 
 from router.tenants import cache_salt_for
 from tests.integration.test_gateway import MODEL, gateway_config, metric_value, sim_fault, wait_until
@@ -321,6 +322,21 @@ def test_health_loss_clears_the_replicas_holdings_and_recovery_rebuilds(sim: Sim
     rebuilt = prompt_of("after-recovery")
     send(sim, 2, rebuilt)
     wait_held(gw, rebuilt, 2)
+
+
+def test_a_replica_replaced_by_a_reload_keeps_feeding_the_index(sim: Sim, workdir: Path) -> None:
+    """A reload that changes a replica's endpoints replaces it: its old subscription stops, its new one must live."""
+    g = start_subscribed(sim, workdir, "kvgate-reload.yaml", server={"admin_token": "admin-secret"})
+    try:
+        config = yaml.safe_load(g.config_path.read_text())
+        config["replicas"][1]["url"] = config["replicas"][1]["url"].replace("127.0.0.1", "localhost")
+        g.config_path.write_text(yaml.safe_dump(config))
+        r = httpx.post(g.url + "/admin/reload", headers={"authorization": "Bearer admin-secret"}, timeout=5)
+        assert r.status_code == 200 and r.json()["reloaded"] is True
+        prompt = prompt_of("after-reload")
+        wait_until(lambda: send(sim, 1, prompt) >= 0 and gpu_tokens(g, prompt, 1) > 0, interval=0.1)
+    finally:
+        g.stop()
 
 
 def next_seq(sim: Sim, replica: int) -> int:

@@ -235,6 +235,21 @@ async def test_a_silent_stream_is_reconnected_and_keeps_working(fleet) -> None:
         await engine.close()
 
 
+async def test_a_replica_stopped_and_subscribed_again_at_once_keeps_its_new_subscription(fleet) -> None:
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, port_block(2))
+    try:
+        old = manager.start("r", engine.endpoint, None, topic="kv")
+        stopping = manager.stop("r")  # as a listener does: the coroutine runs later, on its own task
+        new = manager.start("r", engine.endpoint, None, topic="kv")
+        await stopping
+        assert new is not old and manager.subscribers() == [new]
+        await connect(engine, ingestor)
+        assert held_tokens(index) == 4
+    finally:
+        await engine.close()
+
+
 async def test_an_unreachable_replay_endpoint_times_out_and_purges(fleet) -> None:
     context, index, ingestor, _ = fleet
     manager = SubscriptionManager(ingestor, context=context, replay_timeout_s=0.2)
