@@ -12,9 +12,10 @@ Three sources, tried in order:
    and metrics say so. Repeated prompts give the same ids, and prompts sharing a text prefix share an id prefix.
 
 Prompts given as token ids are used as is (``ids``). A completions request with a batch of prompts is routed on its
-first prompt; ``prompt_count`` says how many there were. Long prompts are tokenized on a small thread pool (the
-tokenizers library releases the GIL in ``encode_batch``), short ones on the event loop: for them the hop to a worker
-and back costs more CPU than the encode itself. Client mistakes raise :class:`PromptError`, which the
+first prompt; ``prompt_count`` says how many there were. Rendering, cutting and cache look-ups run on the event loop;
+encoding uncached text runs on a small thread pool when it is long (the tokenizers library releases the GIL while
+encoding a batch), on the loop when it is short: for short text the hop to a worker and back costs more CPU than the
+encode itself. Client mistakes raise :class:`PromptError`, which the
 gateway answers with a 400 in OpenAI's error format.
 """
 
@@ -55,11 +56,11 @@ MEDIA_PART_TYPES = frozenset(
 """Content parts only the engine can turn into tokens (it inserts model-specific placeholder tokens)."""
 
 APPROXIMATE_BYTES_PER_TOKEN = 4
-INLINE_PROMPT_CHARS = 8192
-"""Prompts with at most this many characters of text are tokenized on the event loop. A thread-pool hop (queue put,
-waking a worker, two GIL hand-offs, ``call_soon_threadsafe`` back) cost ~6% of kvgate's CPU on short requests in a
-profile, more than encoding 8k characters (~0.3 ms cold, a few dict look-ups warm); longer text goes to the pool so a
-cold 100k-character document never blocks the loop."""
+INLINE_PROMPT_CHARS = 4096
+"""Uncached text of at most this many characters is encoded on the event loop (at most ~1.5 ms). A thread-pool hop
+(queue put, waking a worker, two GIL hand-offs, ``call_soon_threadsafe`` back) cost ~6% of kvgate's CPU on short
+requests in a profile and ~0.5 ms on a warm 100k-character prompt; longer uncached text goes to the pool so a cold
+document never blocks the loop for long."""
 
 log = logging.getLogger("kvgate.prompts")
 
@@ -80,7 +81,7 @@ class TokenizedPrompt:
     approximate: bool
     source: Source
     cpu_ms: float
-    """CPU time kvgate spent on this prompt: parsing on the event loop plus the worker thread's time (an engine's
+    """CPU time kvgate spent on this prompt, on the event loop and on a worker thread (an engine's
     ``/tokenize`` time is not included)."""
     prompt_count: int = 1
     """Prompts in a batched completions request; ``token_ids`` are the first one's."""
@@ -255,8 +256,8 @@ class PromptTokenizer:
         local = self._models.get(model)
         if local is not None and self._renders_locally(local, prompt):
             try:
-                ids, worker_cpu = await self._run(prompt, self._encode_local, local, prompt)
-                return self._done(ids, "local", parse_cpu + worker_cpu, count)
+                ids, cpu = await self._tokenize_local(local, prompt)
+                return self._done(ids, "local", parse_cpu + cpu, count)
             except PromptError:
                 raise
             except Exception:  # a bug or a tokenizer failure must not fail the request: route on a fallback
@@ -289,8 +290,12 @@ class PromptTokenizer:
         has_template = prompt.chat_template is not None or local.tokenizer.chat_template is not None
         return has_template and not prompt.has_media
 
-    def _encode_local(self, local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt) -> tuple[array[int], float]:
-        """Runs on a worker thread: render, cut into pieces, take cached pieces, encode the rest."""
+    async def _tokenize_local(
+        self, local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt
+    ) -> tuple[array[int], float]:
+        """Render, cut into pieces and take cached pieces on the loop (a few µs a piece), then encode the pieces the
+        cache lacks: on the loop when they are short, else on a worker thread (``INLINE_PROMPT_CHARS``). Encoding is
+        the only costly step (~0.35 µs a character), so a warm long prompt never pays the hop to a worker."""
         started = time.thread_time()
         if isinstance(prompt, _ChatPrompt):
             text = self._render(local, prompt)
@@ -300,25 +305,33 @@ class PromptTokenizer:
         pieces = local.splitter.pieces(text)
         keys = [(local.name, piece) for piece in pieces if isinstance(piece, str)]
         found = self.cache.get_many(keys)
-        encoded = [
-            (key, array("I", local.tokenizer.encode(key[1], add_special_tokens=False)))
-            for key, ids in zip(keys, found)
-            if ids is None
-        ]
-        if encoded:
-            self.cache.put_many(encoded)
-            fresh = iter([ids for _, ids in encoded])
-            found = [ids if ids is not None else next(fresh) for ids in found]
-        text_ids = iter(found)
+        missing = [key for key, ids in zip(keys, found) if ids is None]
+        loop_cpu = time.thread_time() - started
+        if sum(len(key[1]) for key in missing) <= INLINE_PROMPT_CHARS:
+            encoded, encode_cpu = self._encode_pieces(local, missing)
+        else:
+            loop = asyncio.get_running_loop()
+            encoded, encode_cpu = await loop.run_in_executor(self._pool, self._encode_pieces, local, missing)
+        started = time.thread_time()
+        fresh = iter(encoded)
         joined = array("I")
+        text_ids = iter([ids if ids is not None else next(fresh) for ids in found])
         for piece in pieces:
             if isinstance(piece, int):
                 joined.append(piece)
             else:
-                joined.extend(next(text_ids))  # type: ignore[arg-type]
+                joined.extend(next(text_ids))
         if prompt.add_special_tokens and (local.tokenizer.prefix_ids or local.tokenizer.suffix_ids):
             joined = array("I", local.tokenizer.prefix_ids) + joined + array("I", local.tokenizer.suffix_ids)
-        return joined, time.thread_time() - started
+        return joined, loop_cpu + encode_cpu + time.thread_time() - started
+
+    def _encode_pieces(self, local: _LocalModel, keys: list[tuple[str, str]]) -> tuple[list[array[int]], float]:
+        """Encode pieces the cache lacks and cache them (on the loop or a worker thread); their ids and the CPU."""
+        started = time.thread_time()
+        encoded = [(key, array("I", local.tokenizer.encode(key[1], add_special_tokens=False))) for key in keys]
+        if encoded:
+            self.cache.put_many(encoded)
+        return [ids for _, ids in encoded], time.thread_time() - started
 
     def _render(self, local: _LocalModel, prompt: _ChatPrompt) -> str:
         template = local.tokenizer.chat_template
