@@ -351,6 +351,10 @@ ASCII_GRAPHIC = frozenset(chr(c) for c in range(0x21, 0x7F))
 """GPT-2's ByteLevel regex ends a pre-token at any non-space character followed by whitespace; ASCII keeps the test
 free of Unicode whitespace-class differences between Python and the tokenizer's regex engine."""
 
+LONG_PIECE_FACTOR = 16
+"""Pieces away from the end of a long text are this many times ``chunk_chars``."""
+
+
 class PromptSplitter:
     """Cuts prompt text into pieces whose token ids, concatenated, equal the ids of the whole text.
 
@@ -360,10 +364,10 @@ class PromptSplitter:
       pre-tokenising, so the text between two of them is encoded independently. Chat templates put them around every
       message, so a growing chat re-encodes only its new messages.
     * inside long text (documents), before a space or newline that follows an ASCII letter or digit (for GPT-2's
-      ByteLevel regex: any ASCII non-space character), at most every ``chunk_chars`` characters: with a ByteLevel
-      pre-tokenizer of the GPT-2 / Llama 3 / Qwen family no pre-token spans that point (each pattern ends a word,
-      number or punctuation run before whitespace and only ever starts one with it), and BPE never merges across
-      pre-tokens. Cut points depend only on the text before them, so two prompts sharing a document prefix share its
+      ByteLevel regex: any ASCII non-space character), every ``chunk_chars`` characters or so near the end of the text
+      and ``LONG_PIECE_FACTOR`` times that before: with a ByteLevel pre-tokenizer of the GPT-2 / Llama 3 / Qwen family
+      no pre-token spans that point (each pattern ends a word, number or punctuation run before whitespace and only
+      ever starts one with it), and BPE never merges across pre-tokens. Cut points depend only on the text before them, so two prompts sharing a document prefix share its
       pieces; text with no newline at all (a one-line document) is cut as well. Only made in text free of added
       tokens (so none can straddle a cut).
 
@@ -402,20 +406,28 @@ class PromptSplitter:
         return pieces
 
     def _chunks(self, text: str) -> list[Piece]:
-        """Cuts at the first cut point once ``chunk_chars`` have passed since the last cut; the tail keeps at least
-        ``chunk_chars``. Each search starts where the last one may cut, so the whole text is scanned at most once."""
+        """Pieces of ~``LONG_PIECE_FACTOR × chunk_chars`` characters, except the text's last stretch of at least that
+        many, which is cut every ~``chunk_chars``: a prompt that re-sends a long document with a new ending re-encodes
+        only a short tail, and a warm 100k-character document is a few dozen look-ups, not hundreds."""
         size = self.chunk_chars
         if self._cut_re is None or len(text) < 2 * size:
             return [text]
-        search = self._cut_re.search
-        chunks: list[Piece] = []
-        start, stop = 0, len(text) - size
+        cuts = self._cuts(text, 0, LONG_PIECE_FACTOR * size)
+        cuts += self._cuts(text, cuts[-1] if cuts else 0, size)
+        bounds = [0, *cuts, len(text)]
+        return [text[start:end] for start, end in zip(bounds, bounds[1:])]
+
+    def _cuts(self, text: str, start: int, size: int) -> list[int]:
+        """Cut positions after ``start``: the first cut point once ``size`` characters have passed since the last
+        cut, keeping at least ``size`` characters after the last one. Each depends only on the text before it, so
+        prompts sharing a prefix share its pieces; each search starts where the last one may cut."""
+        search = self._cut_re.search  # type: ignore[union-attr]
+        cuts: list[int] = []
+        stop = len(text) - size
         while (found := search(text, start + size, stop)) is not None:
-            cut = found.start()
-            chunks.append(text[start:cut])
-            start = cut
-        chunks.append(text[start:])
-        return chunks
+            start = found.start()
+            cuts.append(start)
+        return cuts
 
     def _check_added_token_cuts(self, tokenizer: Tokenizer, added: dict[str, int]) -> bool:
         texts = [sample.format(token) for sample in _ADDED_TOKEN_SAMPLES for token in added]
