@@ -17,7 +17,9 @@ by the time a frame gets through: its replay buffer would then fill the gap with
 everything the old engine held would stay in the index for good. So when it can, the subscriber asks the replay from
 the last frame it applied and checks that the engine sends back those very bytes (a batch carries its timestamp, so
 two engines never publish the same payload); if not, the replica is reset under a new generation (reason
-``replay_mismatch``) and the stream resumes from the live frame.
+``replay_mismatch``) and the stream resumes from the live frame. Likewise a replay usually delivers frames the live
+stream is still to deliver: those live copies must be the replayed bytes, else the engine restarted in between
+(reason ``restart_after_replay``), which sequence numbers alone would take for duplicates.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class KvEventSubscriber:
         self.reconnects = 0
         self._last_applied: tuple[int, bytes] | None = None
         """The last frame applied, to check that a replay comes from the same engine instance."""
+        self._replayed_through: int | None = None
+        """The last sequence number a replay delivered, until the live stream goes past it."""
+        self._replayed_ahead: dict[int, bytes] = {}
+        """Frames a replay delivered that the live stream has not delivered yet."""
         self._context = context or zmq.asyncio.Context.instance()
         self._task: asyncio.Task[None] | None = None
 
@@ -128,6 +134,8 @@ class KvEventSubscriber:
         if len(seq_frame) != _SEQ_BYTES:
             return self._malformed_frame()
         seq = int.from_bytes(seq_frame, "big")
+        if self._replayed_through is not None:
+            self._check_replayed(seq, payload, self._replayed_through)
         result = self.ingestor.apply(self.name, seq, payload, self.dp_rank)
         if result.applied:
             self._last_applied = (seq, payload)
@@ -135,6 +143,17 @@ class KvEventSubscriber:
             assert result.expected is not None
             await self._repair(result.expected, seq, payload)
         return result
+
+    def _check_replayed(self, seq: int, payload: bytes, replayed_through: int) -> None:
+        """A live frame at or before the replay's last one is the live copy of a replayed frame (the ingestor then
+        discards it as a duplicate) or comes from an engine that restarted since: reset the replica."""
+        if seq <= replayed_through:
+            if self._replayed_ahead.pop(seq, None) == payload:
+                return
+            log.warning("kv-events %s: the engine restarted after a replay; resetting", self.name)
+            self.ingestor.reset_replica(self.name, "restart_after_replay")
+        self._replayed_through = None
+        self._replayed_ahead.clear()
 
     def _malformed_frame(self) -> None:
         self.malformed_frames += 1
@@ -170,6 +189,8 @@ class KvEventSubscriber:
             else:
                 stats.replays_succeeded += 1
                 self._last_applied = replayed[-1]
+                self._replayed_through = replayed[-1][0]
+                self._replayed_ahead = {seq: payload for seq, payload in replayed if seq > live_seq}
                 if replayed[-1][0] < live_seq:
                     self._apply_live(live_seq, live_payload)
                 return

@@ -239,6 +239,24 @@ def test_a_restart_hidden_behind_a_gap_is_not_replayed_into_the_old_generation(s
     assert events_metric(gw, "resets", key="replay_mismatch") == 1
 
 
+def test_a_restart_right_after_a_replay_is_not_taken_for_duplicates(sim: Sim, gw: Gateway) -> None:
+    """A replay covers the live frames still in flight; the restarted engine's first frames reuse those numbers."""
+    sim_fault_body(sim, 2, {"action": "drop_events", "fraction": 1.0})
+    send(sim, 2, prompt_of("dropped-before-replay"))
+    sim_fault_body(sim, 2, {"action": "drop_events", "fraction": 0.0})
+    replayed = prompt_of("replayed-then-restarted")
+    send(sim, 2, replayed)
+    generation = row(wait_held(gw, replayed, 2), 2)["generation"]
+    detected = events_metric(gw, "resets", key="restart_after_replay") + events_metric(gw, "restarts")
+    sim_fault(sim, 0, "restart", 2)
+    after = prompt_of("first-after-replay-and-restart")
+    send(sim, 2, after)
+    wait_held(gw, after, 2)
+    explained = explain(gw, replayed)
+    assert row(explained, 2)["cached_tokens"]["gpu"] == 0 and row(explained, 2)["generation"] > generation
+    assert events_metric(gw, "resets", key="restart_after_replay") + events_metric(gw, "restarts") == detected + 1
+
+
 def test_without_replay_a_gap_purges_the_replica_and_holdings_rebuild(sim: Sim, gw: Gateway) -> None:
     kept = prompt_of("held-before-gap")
     send(sim, 1, kept)

@@ -168,6 +168,27 @@ async def test_an_engine_restarted_behind_a_gap_is_reset_not_replayed_into_the_o
         await engine.close()
 
 
+async def test_an_engine_restarted_right_after_a_replay_is_not_taken_for_duplicates(fleet) -> None:
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, port_block(2))
+    try:
+        manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
+        await connect(engine, ingestor)
+        await engine.publish(1, payload(1))
+        await wait_until(lambda: held_tokens(index) == 8, "two blocks")
+        await engine.publish(2, payload(2), drop=True)
+        await engine.publish(3, payload(3))
+        await wait_until(lambda: held_tokens(index) == 16, "four blocks, the third one replayed")
+        engine.buffer.clear()  # restarted: its frame 0 reuses a number the replay already covered
+        await engine.publish(0, msgspec.msgpack.encode(
+            KVEventBatch(ts=time.time(), events=[BlockStored([100], None, TOKENS[:4], BS, None, "GPU", None)])))
+        await wait_until(lambda: ingestor.generation("r") == 1, "the restart")
+        assert ingestor.stats.resets["restart_after_replay"] == 1 and ingestor.stats.dropped["duplicate"] == 0
+        assert held_tokens(index) == 4
+    finally:
+        await engine.close()
+
+
 async def test_without_replay_a_gap_purges_and_the_index_rebuilds_from_new_frames(fleet) -> None:
     context, index, ingestor, manager = fleet
     engine = FakeEngine(context, port_block(2))
