@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from policies.config import ProxyConfig
 from router.errors import ApiError
+from router.first_token import read_to_first_token
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 HOP_BY_HOP = frozenset(
@@ -105,7 +106,8 @@ class Upstream:
     ticket: Ticket
     attempts: int
     first_byte_at: float
-    """Monotonic time the first body byte (streaming) or the whole body (non-streaming) arrived."""
+    """Monotonic time the first token (streaming: past a role-only chat chunk, see :mod:`router.first_token`) or
+    the whole body (non-streaming) arrived."""
 
     @property
     def status(self) -> int:
@@ -209,7 +211,7 @@ class Proxy:
                         response.headers,
                     )
                 if fwd.stream and response.status == 200:
-                    first = await response.content.readany()
+                    first = await read_to_first_token(response.content)
                     if not first:
                         raise AttemptFailed("disconnect", "upstream closed the stream before its first byte")
                     return response, first, time.monotonic()

@@ -312,6 +312,33 @@ def test_client_leaving_before_the_first_byte_aborts_the_upstream_request(sim: S
     wait_until(lambda: metric_value(gw, "kvgate_requests_total", status="499") == 1)
 
 
+def test_a_role_chunk_is_not_the_first_token(sim: Sim, gw: Gateway) -> None:
+    """The sim opens a chat stream with a role-only chunk before it prefills (some engines do): kvgate keeps counting
+    the prompt as prefill still waiting on that replica (the cost policy's queue delay) until a token arrives."""
+    events: list[str] = []
+
+    def stream() -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "role first " * 200}], "max_tokens": 3,
+                "stream": True}
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=15) as resp:
+            events.extend(line[6:] for line in resp.iter_lines() if line.startswith("data: "))
+
+    for i in range(sim.replicas):
+        httpx.post(sim.url(i) + "/sim/fault", json={"action": "stall"}, timeout=5).raise_for_status()
+    client = threading.Thread(target=stream)
+    client.start()
+    try:
+        wait_until(lambda: metric_value(gw, "kvgate_in_flight{") == 1)
+        time.sleep(0.3)  # the sim's role chunk is out; its engine is stalled before the prefill
+        assert metric_value(gw, "kvgate_in_flight_prefill_tokens{") > 200
+    finally:
+        for i in range(sim.replicas):
+            httpx.post(sim.url(i) + "/sim/fault", json={"action": "unstall"}, timeout=5).raise_for_status()
+        client.join(15)
+    assert events[-1] == "[DONE]" and any('"content":"' in e and '"role"' not in e for e in events)
+    wait_until(lambda: metric_value(gw, "kvgate_in_flight_prefill_tokens{") == 0 and metric_value(gw, "kvgate_in_flight{") == 0)
+
+
 def test_kv_events_over_http_feed_the_index(sim: Sim, workdir: Path) -> None:
     """A replica with no ZMQ endpoint (here a second name for sim-0's URL) is indexed from events POSTed to kvgate."""
     config = yaml.safe_load(gateway_config(sim, workdir, "kvgate-events-base.yaml").read_text())
