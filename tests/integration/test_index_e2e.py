@@ -136,6 +136,16 @@ def events_metric(gw: Gateway, field: str, **labels: str) -> float:
     return metric_value(gw, f"kvgate_events_{field}", **labels)
 
 
+def sim_fault_body(sim: Sim, replica: int, body: dict) -> None:
+    """A fault with parameters (``sim_fault`` sends only the action)."""
+    httpx.post(sim.url(replica) + "/sim/fault", json=body, timeout=5).raise_for_status()
+
+
+def next_seq(sim: Sim, replica: int) -> int:
+    """The sequence number the replica's publisher gives its next frame."""
+    return httpx.get(sim.url(replica) + "/sim/stats", timeout=5).json()["events"]["next_seq"]
+
+
 def test_a_completed_request_is_held_by_the_replica_that_served_it(gw: Gateway) -> None:
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     prompt = prompt_of("served")
@@ -329,10 +339,15 @@ def test_health_loss_clears_the_replicas_holdings_and_recovery_rebuilds(sim: Sim
     prompt = prompt_of("health")
     send(sim, 2, prompt)
     generation = row(wait_held(gw, prompt, 2), 2)["generation"]
+
+    def marked_down() -> dict | None:
+        explained = explain(gw, prompt)
+        return None if row(explained, 2)["healthy"] else explained
+
     sim_fault(sim, 0, "unhealthy", 2)
     try:
-        down = wait_until(lambda: (e := explain(gw, prompt)) and not row(e, 2)["healthy"] and e)
-        assert row(down, 2)["cached_tokens"]["gpu"] == 0 and row(down, 2)["generation"] > generation
+        down = row(wait_until(marked_down), 2)
+        assert down["cached_tokens"]["gpu"] == 0 and down["generation"] > generation
     finally:
         sim_fault(sim, 0, "healthy", 2)
     wait_until(lambda: row(explain(gw, prompt), 2)["healthy"])
@@ -355,12 +370,3 @@ def test_a_replica_replaced_by_a_reload_keeps_feeding_the_index(sim: Sim, workdi
         wait_until(lambda: send(sim, 1, prompt) >= 0 and gpu_tokens(g, prompt, 1) > 0, interval=0.1)
     finally:
         g.stop()
-
-
-def next_seq(sim: Sim, replica: int) -> int:
-    return httpx.get(sim.url(replica) + "/sim/stats", timeout=5).json()["events"]["next_seq"]
-
-
-def sim_fault_body(sim: Sim, replica: int, body: dict) -> None:
-    """A fault with parameters (``sim_fault`` sends only the action)."""
-    httpx.post(sim.url(replica) + "/sim/fault", json=body, timeout=5).raise_for_status()
