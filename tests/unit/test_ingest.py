@@ -229,6 +229,7 @@ def test_unknown_replica_and_removed_replica(setup) -> None:
     assert held(index) == 0 and "r" not in ingestor.stats.generations
     ingestor.add_replica("r", model="m")
     assert ingestor.generation("r") == 1  # a re-added replica never reuses a generation
+    assert index.generation("r") == 1  # known to the index (explain reads it there) before any event
     assert ingestor.block_size("r") is None
 
 
