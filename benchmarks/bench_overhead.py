@@ -9,7 +9,12 @@ warm the way a growing chat or a shared document keeps it), streaming and not, a
 Printed per target and scenario: median and p99 latency, added median vs direct, requests/s, the target process's
 CPU time per request (utime+stime of its whole process group from /proc, so tokenizer threads and Rust workers
 count), and for streams the median TTFT and the largest gap between chunks (a Nagle / delayed-ACK stall shows as
-~40 ms). Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick]``.
+~40 ms). First, each target's idle CPU (ms per second with no traffic: health checks, /metrics scrapes, KV-event
+subscriptions), which is not part of the per-request numbers' story but is spent all the same.
+
+``--compare-tree DIR`` adds a second kvgate run from another source tree (e.g. ``git worktree add /tmp/old HEAD~3``),
+so a change is measured against its predecessor side by side in one run on this noisy machine.
+Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick] [--compare-tree DIR]``.
 """
 
 
@@ -100,7 +105,7 @@ class Target:
         return total / CLK_TCK
 
 
-def start_targets(tmp: Path, with_sglang: bool) -> tuple[ManagedProcess, list[Target]]:
+def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tuple[ManagedProcess, list[Target]]:
     sim_port, zmq_port = port_block(1), port_block(2)
     fleet = tmp / "fleet.yaml"
     sim = ManagedProcess(
@@ -121,6 +126,14 @@ def start_targets(tmp: Path, with_sglang: bool) -> tuple[ManagedProcess, list[Ta
     kvgate = ManagedProcess([*KVGATE, "serve", "--config", str(fleet), "--port", str(kv_port)],
                             tmp / "kvgate.log").start()  # as deployed: one JSON log line per request
     targets.append(Target("kvgate", f"http://127.0.0.1:{kv_port}", kvgate))
+
+    if compare_tree is not None:
+        old_port = port_block(1)
+        # `-c` puts the other tree first on sys.path, so its router/, policies/... are the ones imported.
+        launch = (f"import sys; sys.path.insert(0, {str(compare_tree)!r}); from router.cli import main; "
+                  f"sys.exit(main(['serve', '--config', {str(fleet)!r}, '--port', '{old_port}']))")
+        old = ManagedProcess([sys.executable, "-c", launch], tmp / "kvgate-compare.log").start()
+        targets.append(Target(f"kvgate@{compare_tree.name}", f"http://127.0.0.1:{old_port}", old))
 
     if with_sglang:
         sg_port, sg_metrics = port_block(1), port_block(1)
@@ -206,6 +219,19 @@ async def drive(target: Target, document: str, stream: bool, concurrency: int, r
     return Result(latencies, ttfts, max(gaps) if gaps else 0.0, wall, cpu, errors)
 
 
+IDLE_SECONDS = 10.0
+
+
+async def idle_cpu_ms_per_s(targets: list[Target], seconds: float) -> dict[str, float]:
+    """CPU each target spends per second with no traffic (all measured over the same seconds). The clock tick is
+    10 ms, hence the long window."""
+    measured = [t for t in targets if t.process is not None]
+    await asyncio.sleep(1.0)  # let startup work (first probes, subscriptions) settle
+    before = [t.cpu_seconds() for t in measured]
+    await asyncio.sleep(seconds)
+    return {t.name: (t.cpu_seconds() - b) * 1000.0 / seconds for t, b in zip(measured, before)}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -229,8 +255,10 @@ def make_document(chars: int) -> str:
 async def main_async(args: argparse.Namespace) -> None:
     with_sglang = importlib.util.find_spec("sglang_router") is not None and not args.no_sglang
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        sim, targets = start_targets(Path(tmp), with_sglang)
+        sim, targets = start_targets(Path(tmp), with_sglang, args.compare_tree)
         try:
+            idle = await idle_cpu_ms_per_s(targets, IDLE_SECONDS)
+            print("idle CPU ms/s: " + ", ".join(f"{name} {ms:.1f}" for name, ms in idle.items()))
             scale = 0.25 if args.quick else 1.0
             scenarios = [
                 (2_000, False, 1, 400), (2_000, True, 1, 400), (2_000, False, 64, 3000), (2_000, True, 64, 3000),
@@ -272,6 +300,8 @@ def main() -> None:
     bare.add_argument("--upstream", required=True)
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests per scenario")
     parser.add_argument("--no-sglang", action="store_true", help="skip the SGLang gateway even when installed")
+    parser.add_argument("--compare-tree", type=Path, default=None,
+                        help="also run kvgate from this source tree (e.g. a git worktree of an older commit)")
     args = parser.parse_args()
     if args.mode == "bare-proxy":
         run_bare_proxy(args.port, args.upstream)
