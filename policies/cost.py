@@ -20,6 +20,8 @@ class _Candidate:
     ttft_ms: float
     score_ms: float
     """``ttft_ms`` minus the session bonus: what candidates are compared on."""
+    work_ms: float
+    """Prefill the fleet spends on this candidate (uncached tokens; for a transfer, the source's leg)."""
     load: int
     transfer: TransferEstimate | None = None
 
@@ -32,9 +34,12 @@ class CostPolicy:
     the same queue); it wins when the warm replica takes no new requests — a drained replica's long prefix is
     pulled instead of recomputed — and loses to recompute for short prefixes, where link setup dominates.
 
-    Near-ties — candidates within ``max(tie_margin × best, tie_margin_ms)`` of the best — go to the least-loaded
-    one, a plain route before a transfer, then at random: several routers seeing the same fleet do not all herd
-    onto the same replica, and equal cold replicas share the traffic.
+    Near-ties — candidates within ``max(tie_margin × best, tie_margin_ms)`` of the best — go to the one that spends
+    the least prefill (most of the prompt cached), then the least-loaded one, a plain route before a transfer, then
+    at random. Least work first: when waiting on a holder costs the request about what recomputing elsewhere would,
+    recomputing only burns another replica's time (a 30k-token document re-prefilled on every idle replica while
+    its holder finishes the first copy); equal cold replicas still share the traffic by load and at random, so
+    several routers seeing the same fleet do not all herd onto the same replica.
 
     Reasons: ``transfer``; ``warm`` (the chosen replica holds part of the prompt); ``idle-recompute`` (another
     replica holds more of it, but waiting there costs more than recomputing here); ``cold`` (no routable replica
@@ -65,7 +70,7 @@ class CostPolicy:
         weight = cfg.approximate_match_weight if request.approximate else 1.0
         queues = {v.name: model.queue_delay_ms(v) for v in views}
         estimates = {v.name: model.estimate(request, v, weight, queues[v.name]) for v in views}
-        candidates = [self._candidate(v, estimates[v.name].ttft_ms, None) for v in views]
+        candidates = [self._candidate(v, estimates[v.name].ttft_ms, estimates[v.name].prefill_ms, None) for v in views]
         source = None
         if model.transfer_enabled and not request.approximate:
             source = self._transfer_source(replicas, queues)
@@ -75,6 +80,8 @@ class CostPolicy:
         best_score = min(c.score_ms for c in candidates)
         margin = max(best_score * cfg.tie_margin, cfg.tie_margin_ms)
         near = [c for c in candidates if c.score_ms <= best_score + margin]
+        least_work = min(c.work_ms for c in near)
+        near = [c for c in near if c.work_ms == least_work]
         lowest_load = min(c.load for c in near)
         near = [c for c in near if c.load == lowest_load]
         if any(c.transfer is None for c in near):
@@ -90,9 +97,11 @@ class CostPolicy:
             details=self._details(request, views, estimates, candidates, chosen, source, queues),
         )
 
-    def _candidate(self, view: ReplicaView, ttft_ms: float, transfer: TransferEstimate | None) -> _Candidate:
+    def _candidate(
+        self, view: ReplicaView, ttft_ms: float, work_ms: float, transfer: TransferEstimate | None
+    ) -> _Candidate:
         bonus = self.config.session_bonus_ms if view.last_session_match else 0.0
-        return _Candidate(view, ttft_ms, ttft_ms - bonus, replica_load(view), transfer)
+        return _Candidate(view, ttft_ms, ttft_ms - bonus, work_ms, replica_load(view), transfer)
 
     def _transfer_source(self, replicas: Sequence[ReplicaView], queues: dict[str, float]) -> ReplicaView | None:
         """The replica holding the longest prefix among those that can serve a first leg (least queued on a tie),
@@ -130,7 +139,8 @@ class CostPolicy:
                 request, source, dest, queues[source.name], queues[dest.name]
             )
             if estimate is not None and estimate.ms < estimates[dest.name].ttft_ms:
-                found.append(self._candidate(dest, estimate.ms, estimate))
+                work = estimate.source_prefill_ms + estimate.dest_step_ms
+                found.append(self._candidate(dest, estimate.ms, work, estimate))
         return found
 
     def _reason(

@@ -94,13 +94,27 @@ def test_near_ties_spread_randomly_then_by_load() -> None:
     cold = [view(name) for name in "abcd"]
     counts = Counter(p.decide(request(2000), cold).replica for _ in range(400))
     assert set(counts) == set("abcd") and min(counts.values()) > 60
-    # Within the margin, the less loaded replica wins even with a slightly higher TTFT.
+    # Within the margin, the replica with less prefill to do wins, then the less loaded one.
     near = [view("a", gpu=100), view("b", queued=0), view("c", gpu=100, scraped_waiting=0, scraped_running=3)]
     counts = Counter(p.decide(request(2000), near).replica for _ in range(50))
-    assert set(counts) <= {"a", "b"}
+    assert set(counts) == {"a"}
     # Two routers with different seeds do not all pick the same replica.
     firsts = {policy(seed=s).decide(request(2000), cold).replica for s in range(20)}
     assert len(firsts) > 1
+
+
+def test_a_document_is_not_recomputed_while_its_holder_finishes_the_first_copy() -> None:
+    # A 26,793-token document was just routed to "holder" (its blocks predicted there, its prefill still counted as
+    # queued): waiting for that prefill costs this request about what recomputing on an idle replica would (within
+    # the near-tie margin), so the request goes where nothing is recomputed, not to the less loaded idle replicas.
+    doc = 26_793
+    p = policy()
+    fleet = [view("holder", predicted=doc - 137, queued=1, queued_tokens=doc), *(view(f"idle{i}") for i in range(4))]
+    decisions = [p.decide(request(doc), fleet) for _ in range(50)]
+    assert {(d.replica, d.reason) for d in decisions} == {("holder", "warm")}
+    # Beyond the margin (a second document queued ahead as well), recomputing elsewhere is faster and wins.
+    busier = [view("holder", predicted=doc - 137, queued=2, queued_tokens=2 * doc), view("idle")]
+    assert p.decide(request(doc), busier).replica == "idle"
 
 
 def test_session_bonus_is_soft() -> None:
