@@ -20,6 +20,10 @@ two engines never publish the same payload); if not, the replica is reset under 
 ``replay_mismatch``) and the stream resumes from the live frame. Likewise a replay usually delivers frames the live
 stream is still to deliver: those live copies must be the replayed bytes, else the engine restarted in between
 (reason ``restart_after_replay``), which sequence numbers alone would take for duplicates.
+
+A subscription whose first frame is not the engine's first (kvgate started, restarted or scaled out while the engine
+was running) catches up from the replay buffer from 0 first, so every router agrees on what was published before it
+joined, as far back as the engine's buffer goes.
 """
 
 from __future__ import annotations
@@ -136,6 +140,10 @@ class KvEventSubscriber:
         seq = int.from_bytes(seq_frame, "big")
         if self._replayed_through is not None:
             self._check_replayed(seq, payload, self._replayed_through)
+        if self._last_applied is None and seq > 0 and self.replay_endpoint is not None \
+                and self.ingestor.expected_seq(self.name, self.dp_rank) is None:
+            await self._catch_up(seq, payload)
+            return None
         result = self.ingestor.apply(self.name, seq, payload, self.dp_rank)
         if result.applied:
             self._last_applied = (seq, payload)
@@ -177,25 +185,51 @@ class KvEventSubscriber:
                     replayed = replayed[1:]
                 if not replayed or replayed[0][0] != expected:
                     raise ReplayFailed(f"replay starts at {replayed[0][0] if replayed else None}, need {expected}")
-                for seq, payload in replayed:
-                    result = self.ingestor.apply(
-                        self.name, seq, payload, self.dp_rank, source="replay", generation=generation
-                    )
-                    if result.status in (ApplyStatus.GAP, ApplyStatus.STALE, ApplyStatus.UNKNOWN_REPLICA):
-                        raise ReplayFailed(f"replayed frame {seq}: {result.status.value}")
+                self._apply_replayed(replayed, live_seq, live_payload, generation)
             except (ReplayFailed, zmq.ZMQError, TimeoutError) as exc:
                 stats.replays_failed += 1
                 log.warning("kv-events %s: replay from %d failed (%s); purging", self.name, expected, exc)
             else:
                 stats.replays_succeeded += 1
-                self._last_applied = replayed[-1]
-                self._replayed_through = replayed[-1][0]
-                self._replayed_ahead = {seq: payload for seq, payload in replayed if seq > live_seq}
-                if replayed[-1][0] < live_seq:
-                    self._apply_live(live_seq, live_payload)
                 return
         self.ingestor.purge(self.name, self.dp_rank)
         self._apply_live(live_seq, live_payload)
+
+    async def _catch_up(self, live_seq: int, live_payload: bytes) -> None:
+        """Joining an engine that has been publishing for a while (kvgate started or scaled out after it): apply what
+        its replay buffer still holds first, all of its history while the buffer has not wrapped, so this router
+        agrees with routers that were subscribed all along. Blocks stored before the buffer's first frame stay
+        unknown and their children are orphans: a miss, never a wrong hit."""
+        stats = self.ingestor.stats
+        stats.replays_requested += 1
+        try:
+            replayed = await self._fetch_replay(0)
+            if not replayed:
+                raise ReplayFailed("the replay buffer is empty")
+            self._apply_replayed(replayed, live_seq, live_payload, self.ingestor.generation(self.name))
+        except (ReplayFailed, zmq.ZMQError, TimeoutError) as exc:
+            stats.replays_failed += 1
+            log.info("kv-events %s: no history to catch up on (%s); starting from the live frame", self.name, exc)
+            if self.ingestor.expected_seq(self.name, self.dp_rank) is not None:
+                self.ingestor.purge(self.name, self.dp_rank)
+            self._apply_live(live_seq, live_payload)
+        else:
+            stats.replays_succeeded += 1
+
+    def _apply_replayed(
+        self, replayed: list[tuple[int, bytes]], live_seq: int, live_payload: bytes, generation: int
+    ) -> None:
+        """Apply a replay's frames in order, then the live frame unless the replay already had it (its live copies
+        are then checked as they arrive). Raises ReplayFailed when a frame does not follow or the replica moved on."""
+        for seq, payload in replayed:
+            result = self.ingestor.apply(self.name, seq, payload, self.dp_rank, source="replay", generation=generation)
+            if result.status in (ApplyStatus.GAP, ApplyStatus.STALE, ApplyStatus.UNKNOWN_REPLICA):
+                raise ReplayFailed(f"replayed frame {seq}: {result.status.value}")
+        self._last_applied = replayed[-1]
+        self._replayed_through = replayed[-1][0]
+        self._replayed_ahead = {seq: payload for seq, payload in replayed if seq > live_seq}
+        if replayed[-1][0] < live_seq:
+            self._apply_live(live_seq, live_payload)
 
     def _apply_live(self, seq: int, payload: bytes) -> None:
         if self.ingestor.apply(self.name, seq, payload, self.dp_rank).applied:

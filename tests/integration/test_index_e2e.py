@@ -311,18 +311,36 @@ def test_two_gateways_report_the_same_holdings_within_a_second(sim: Sim, gw: Gat
     for replica, prompt in prompts.items():
         send(sim, replica, prompt)
 
-    def holdings(g: Gateway) -> dict[str, list[tuple[str, dict]]]:
-        return {
-            prompt: [(r["name"], r["cached_tokens"]) for r in explain(g, prompt)["replicas"]]
-            for prompt in prompts.values()
-        }
-
     for replica, prompt in prompts.items():
         wait_held(gw, prompt, replica)
-    seen = holdings(gw)
+    assert_same_holdings_within_a_second(gw, twin_gw, list(prompts.values()))
+
+
+def test_a_gateway_started_later_catches_up_from_the_replay_buffers(sim: Sim, gw: Gateway, workdir: Path) -> None:
+    """Scaling out (or restarting) kvgate: what the engines published before it subscribed is in their replay
+    buffers, and the newcomer applies it first, so it agrees with the routers subscribed all along."""
+    prompts = {replica: prompt_of(f"history{replica}") for replica in range(sim.replicas)}
+    for replica, prompt in prompts.items():
+        send(sim, replica, prompt)
+        wait_held(gw, prompt, replica)
+    late = start_subscribed(sim, workdir, "kvgate-late.yaml")
+    try:
+        assert_same_holdings_within_a_second(gw, late, list(prompts.values()))
+        assert events_metric(late, "replays_succeeded") >= sim.replicas
+    finally:
+        late.stop()
+
+
+def assert_same_holdings_within_a_second(first: Gateway, second: Gateway, prompts: list[str]) -> None:
+    """Per prompt and replica, the tokens held per tier as ``first`` explains them now, and ``second`` soon after."""
+
+    def holdings(g: Gateway) -> dict[str, list[tuple[str, dict]]]:
+        return {prompt: [(r["name"], r["cached_tokens"]) for r in explain(g, prompt)["replicas"]] for prompt in prompts}
+
+    seen = holdings(first)
     deadline = time.monotonic() + SAME_HOLDINGS_WITHIN_S
-    while holdings(twin_gw) != seen:
-        assert time.monotonic() < deadline, f"twin still differs: {holdings(twin_gw)} != {seen}"
+    while holdings(second) != seen:
+        assert time.monotonic() < deadline, f"{second.url} still differs from {first.url}"
         time.sleep(0.02)
 
 

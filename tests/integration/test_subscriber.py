@@ -271,6 +271,27 @@ async def test_a_replica_stopped_and_subscribed_again_at_once_keeps_its_new_subs
         await engine.close()
 
 
+async def test_joining_a_running_engine_catches_up_from_its_replay_buffer(fleet) -> None:
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, port_block(2))
+    try:
+        for seq in range(4):
+            await engine.publish(seq, payload(seq), drop=True)  # published before anyone subscribed
+        manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
+        seq = 4
+        deadline = time.monotonic() + DEADLINE_S
+        while ingestor.expected_seq("r") is None:  # until the SUB has joined
+            assert time.monotonic() < deadline, "no live frame arrived"
+            await engine.publish(seq, payload(seq))
+            seq += 1
+            await asyncio.sleep(0.02)
+        await wait_until(lambda: held_tokens(index) >= 20, "the history and the live frame")
+        assert engine.replay_requests == [0]
+        assert ingestor.stats.replays_succeeded == 1 and ingestor.stats.purges == 0
+    finally:
+        await engine.close()
+
+
 async def test_an_unreachable_replay_endpoint_times_out_and_purges(fleet) -> None:
     context, index, ingestor, _ = fleet
     manager = SubscriptionManager(ingestor, context=context, replay_timeout_s=0.2)
