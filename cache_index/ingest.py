@@ -74,6 +74,13 @@ class ApplyResult:
         return self.status in (ApplyStatus.APPLIED, ApplyStatus.RESTARTED)
 
 
+DROP_REASONS = (
+    "stale_generation", "duplicate", "malformed", "unknown_type", "orphan", "unknown_medium", "other_kv_group",
+    "unknown_replica",
+)
+"""Every reason an event or frame is not applied (``IngestStats.dropped``), exported as metrics from the start."""
+
+
 @dataclass(slots=True)
 class IngestStats:
     """Plain counters the router exports as metrics."""
@@ -81,8 +88,7 @@ class IngestStats:
     events_applied: int = 0
     frames_applied: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
-    """Events or frames not applied, by reason: stale_generation, duplicate, malformed, unknown_type, orphan,
-    unknown_medium, other_kv_group, unknown_replica."""
+    """Events or frames not applied, by reason (one of ``DROP_REASONS``)."""
     unknown_fields: int = 0
     unknown_removed: int = 0
     """Removed hashes kvgate never saw stored (e.g. stored before it subscribed): nothing to do."""

@@ -56,18 +56,21 @@ COUNTERS = {
 
 def parse_gateway_counters(text: str) -> dict[str, dict[str, float]]:
     """From a kvgate ``/metrics`` page: decisions by ``action/reason``, transfers by result, replication events by
-    ``event/reason``, and the warm-up tokens spent. Families that are absent come out empty."""
+    ``event/reason``, and the warm-up tokens spent. Families that are absent come out empty, and labelled series
+    still at zero (kvgate exports every known result and reason from the start) are left out."""
     out: dict[str, dict[str, float]] = {"decisions": {}, "transfers": {}, "replication": {}, "warmup_tokens": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.labels and not sample.value:
+                continue
             if family.name in COUNTERS and sample.name.endswith("_total"):
                 key = "/".join(sample.labels.get(label, "") for label in COUNTERS[family.name])
                 out[family.name.removeprefix("kvgate_")][key] = sample.value
             elif family.name == "kvgate_warmup_tokens" and sample.name.endswith("_total"):
                 out["warmup_tokens"]["total"] = sample.value
-            elif family.name.startswith("kvgate_replication_"):
+            elif family.name.startswith("kvgate_replication_") and sample.name.endswith("_total"):
                 event = family.name.removeprefix("kvgate_replication_")
-                out["replication"][f"{event}/{sample.labels.get('key', '')}"] = sample.value
+                out["replication"][f"{event}/{sample.labels.get('reason', '')}"] = sample.value
     return out
 
 

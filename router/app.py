@@ -34,11 +34,22 @@ from cache_index.http_ingest import HttpIngestError, ingest_http
 from cache_index.subscriber import SubscriptionManager
 from policies.base import NoHealthyReplica
 from policies.config import ConfigError, KvgateConfig
+from policies.cost_model import CostModel
 from router.admin import build_admin_router
 from router.errors import ApiError, install_error_handlers
 from router.fleet import Fleet, FleetListener, Replica
 from router.logs import RequestLogger
-from router.metrics import GatewayMetrics, ReplicaStateCollector
+from router.metrics import (
+    CONFIG_SERIES,
+    INDEX_SERIES,
+    INGEST_SERIES,
+    PREFILL_SERIES,
+    REPLICATION_SERIES,
+    TOKENIZER_SERIES,
+    GatewayMetrics,
+    ReplicaStateCollector,
+    prefill_avoided_ms,
+)
 from router.prompts import PromptError, PromptTokenizer
 from router.proxy import (
     AttemptFailed,
@@ -265,13 +276,12 @@ class Gateway:
             body["cache_salt"] = prompt.cache_salt
         headers = {"content-type": "application/json", "x-request-id": f"kvgate-warmup-{uuid.uuid4().hex}"}
         dispatcher = FleetDispatcher(self.fleet, lambda name: warmup.prefix_tokens if name == warmup.target else 0)
+        transferred = False
         if warmup.via == "transfer" and warmup.source is not None:
-            params = await self.proxy.prefill_for_transfer(
-                "/v1/completions", body, headers, warmup.source, dispatcher, self.config.transfer.first_leg_timeout_s
-            )
-            self.metrics.transfers.labels("completed" if params is not None else "fallback").inc()
+            params = await self._first_leg("/v1/completions", body, headers, warmup.source, dispatcher)
             if params is not None:
                 body["kv_transfer_params"] = params
+                transferred = True
         ok = False
         try:
             up = await self.proxy.forward(Forward("/v1/completions", _encode(body), headers, False, [warmup.target], 1),
@@ -280,22 +290,21 @@ class Gateway:
             ok = up.status == 200
         except AttemptFailed as failed:
             log.warning("warm-up of %s failed: %s", warmup.target, failed)
+        if transferred:
+            tokens = warmup.prefix_tokens
+            self._transfer_finished(item.routing.cost_model, tokens, tokens, 0, ok)
         item.routing.hot.warmup_finished(warmup.prefix_key, warmup.target, ok)
         self.metrics.warmup_tokens.inc(warmup.prefix_tokens if ok else 0)
 
     def _register_collectors(self) -> None:
         m = self.metrics
         m.add_collector(ReplicaStateCollector(lambda: list(self.fleet.replicas.values())))
-        m.add_stats("kvgate_index", lambda: _fields(self.index.stats()), "Prefix index")
-        m.add_stats("kvgate_events", lambda: _fields(self.ingestor.stats), "KV-event ingestion")
-        m.add_stats("kvgate_tokenizer", lambda: _fields(self.tokenizer.stats), "Prompt tokenization")
-        m.add_stats(
-            "kvgate_config",
-            lambda: {"reloads_ok": self.holder.reloads_ok, "reloads_rejected": self.holder.reloads_rejected},
-            "Policy file reloads",
-        )
-        m.add_stats("kvgate_prefill", self.router.coefficients, "Prefill cost coefficients in force, by model")
-        m.add_stats("kvgate_replication", self.router.replication_counts, "Hot-prefix warm-ups by reason")
+        m.add_stats(self.index.stats, INDEX_SERIES)
+        m.add_stats(lambda: self.ingestor.stats, INGEST_SERIES)
+        m.add_stats(lambda: self.tokenizer.stats, TOKENIZER_SERIES)
+        m.add_stats(lambda: self.holder, CONFIG_SERIES)
+        m.add_stats(self.router.coefficients, PREFILL_SERIES)
+        m.add_stats(self.router.replication_counts, REPLICATION_SERIES)
 
     def _count_retry(self, cause: str) -> None:
         self.metrics.retries.labels(cause).inc()
@@ -368,19 +377,25 @@ class Gateway:
         decision = routed.decision
         self.metrics.decisions.labels(decision.action, decision.reason).inc()
         self.metrics.route_seconds.observe(routed.route_ms / 1000.0)
+        self.metrics.lookup_seconds.observe(routed.lookup_ms / 1000.0)
         dispatcher = FleetDispatcher(self.fleet, routed.prefill_tokens)
         up_headers = self._upstream_headers(headers, request_id)
+        transferred = False
         if decision.action == "transfer" and decision.source:
-            raw = await self._transfer(path, body, raw, up_headers, routed, dispatcher)
+            raw, transferred = await self._transfer(path, body, raw, up_headers, routed, dispatcher)
         self.router.dispatched(routed, decision.replica)
         fwd = Forward(path, raw, up_headers, stream, decision.ranked or [decision.replica],
                       self.config.proxy.max_attempts)
         try:
             up = await self._forward_while_connected(request, fwd, dispatcher)
         except AttemptFailed as failed:
+            if transferred:
+                self._transfer_finished_for(routed, ok=False)
             return self._failed(failed, routed, request_id, started)
         if up is None:
             return self._client_left(routed, request_id, started)
+        if transferred:
+            self._transfer_finished_for(routed, ok=up.status == 200)
         if up.replica != decision.replica:
             self.router.dispatched(routed, up.replica)
         out_headers = up.client_headers()
@@ -422,20 +437,58 @@ class Gateway:
     async def _transfer(
         self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str], routed: Routed,
         dispatcher: FleetDispatcher,
-    ) -> bytes:
-        """The destination's body: with the source's ``kv_transfer_params`` when the first leg worked, else the
-        original (the destination recomputes; the client never sees the handshake)."""
+    ) -> tuple[bytes, bool]:
+        """The destination's body and whether it carries the source's ``kv_transfer_params``: it does when the first
+        leg worked, else it is the original (the destination recomputes; the client never sees the handshake)."""
         source = routed.decision.source
         assert source is not None
+        params = await self._first_leg(path, body, headers, source, dispatcher)
+        if params is None:
+            log.warning("transfer from %s failed: recomputing on %s", source, routed.decision.replica)
+            return raw, False
+        return _encode({**body, "kv_transfer_params": params}), True
+
+    async def _first_leg(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], source: str, dispatcher: FleetDispatcher
+    ) -> dict[str, Any] | None:
+        """``proxy.prefill_for_transfer``, counted: a transfer started, and the leg's duration (a failed leg is a
+        fallback: the destination recomputes)."""
+        m = self.metrics
+        m.transfers["started"].inc()
+        began = time.monotonic()
         params = await self.proxy.prefill_for_transfer(
             path, body, headers, source, dispatcher, self.config.transfer.first_leg_timeout_s
         )
+        m.transfer_seconds["fallback" if params is None else "completed"].observe(time.monotonic() - began)
         if params is None:
-            log.warning("transfer from %s failed: recomputing on %s", source, routed.decision.replica)
-            self.metrics.transfers.labels("fallback").inc()
-            return raw
-        self.metrics.transfers.labels("completed").inc()
-        return _encode({**body, "kv_transfer_params": params})
+            m.transfers["fallback"].inc()
+        return params
+
+    def _transfer_finished_for(self, routed: Routed, *, ok: bool) -> None:
+        """:meth:`_transfer_finished` for a client request, from the index's matches at its decision."""
+        decision = routed.decision
+        assert decision.source is not None
+        room = max(routed.request.prompt_tokens - 1, 0)  # the destination always computes the last token itself
+        self._transfer_finished(
+            routed.routing.cost_model, routed.request.prompt_tokens,
+            min(routed.matched_tokens(decision.source), room), min(routed.matched_tokens(decision.replica), room), ok,
+        )
+
+    def _transfer_finished(
+        self, cost_model: CostModel, prompt_tokens: int, source_held: int, dest_held: int, ok: bool
+    ) -> None:
+        """The destination's answer to a request carrying pulled KV. Completed: the KV of every token it lacked
+        crossed the link (cost-model bytes), and the fleet skipped prefilling what the source held beyond it."""
+        m = self.metrics
+        if not ok:
+            m.transfers["failed"].inc()
+            return
+        m.transfers["completed"].inc()
+        m.transfer_bytes.inc((prompt_tokens - dest_held) * cost_model.kv_bytes_per_token)
+        saved_ms = prefill_avoided_ms(cost_model, prompt_tokens, source_held) - prefill_avoided_ms(
+            cost_model, prompt_tokens, dest_held
+        )
+        m.transfer_prefill_avoided.inc(max(0.0, saved_ms) / 1000.0)
 
     async def passthrough(self, request: Request, path: str) -> Response:
         """Requests with no prompt prefix to match (embeddings): least-loaded replica, body unchanged."""
@@ -557,7 +610,12 @@ class Gateway:
         m = self.metrics
         m.requests.labels(up.replica, status, routed.decision.reason).inc()
         m.e2e.labels(hit).observe(e2e_ms / 1000.0)
-        m.matched_tokens.inc(matched)
+        m.matched_tokens.observe(matched)
+        if end == "ok" and up.status == 200:
+            avoided_ms = prefill_avoided_ms(
+                routed.routing.cost_model, request.prompt_tokens, matched if cached is None else cached
+            )
+            m.prefill_avoided.inc(avoided_ms / 1000.0)
         if end == "stream_error":
             m.stream_errors.inc()
         elif end == "client_disconnect":
@@ -593,12 +651,6 @@ def _int_header(headers: Headers, name: str) -> int | None:
         return int(value)
     except ValueError:
         raise ApiError(400, f"header {name} must be an integer", param=name, code="invalid_header") from None
-
-
-def _fields(stats: Any) -> dict[str, Any]:
-    """A stats object's public fields (dataclass or plain object), for :class:`router.metrics.StatsCollector`."""
-    names = getattr(stats, "__dataclass_fields__", None) or [n for n in vars(stats) if not n.startswith("_")]
-    return {n: getattr(stats, n) for n in names}
 
 
 Handler = Callable[[Request], Awaitable[Response]]

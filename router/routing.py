@@ -83,6 +83,8 @@ class Routed:
     routing: ModelRouting
     route_ms: float
     cache_salt: str | None = None
+    lookup_ms: float = 0.0
+    """The prefix-index lookup alone (part of ``route_ms``)."""
 
     def matched_tokens(self, replica: str) -> int:
         view = self.views.get(replica)
@@ -199,7 +201,9 @@ class Router:
         block_size = routing.config.block_size
         namespace = namespace_key(base_model, routing.config.weight_version, cache_salt, lora)
         keys = block_keys(namespace, tokenized.token_ids, block_size)
+        lookup_started = time.perf_counter()
         matches = self.index.lookup(keys, block_size) if keys else {}
+        lookup_ms = (time.perf_counter() - lookup_started) * 1000.0
         last = self._sessions.get(session_id) if session_id else None
         views = {
             name: self.fleet.view(name, matches.get(name) or PrefixMatch(), session_match=name == last)
@@ -218,7 +222,7 @@ class Router:
         )
         decision = routing.policy.decide(request, list(views.values()))
         route_ms = (time.perf_counter() - started) * 1000.0 + tokenized.cpu_ms
-        return Routed(request, decision, views, keys, tokenized, routing, route_ms, cache_salt)
+        return Routed(request, decision, views, keys, tokenized, routing, route_ms, cache_salt, lookup_ms)
 
     def route_passthrough(self, model: str) -> Decision:
         """Least-loaded choice for requests with no prompt to match (embeddings)."""

@@ -16,6 +16,10 @@ import openai
 import pytest
 import yaml
 
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from cache_index.ingest import DROP_REASONS
 from cache_index.vllm_wire import BlockStored, KVEventBatch
 from tests.support import KVGATE, REPO, Gateway, ManagedProcess, Sim, port_block, start_kvgate, start_sim
 
@@ -207,6 +211,60 @@ def test_ready_health_and_metrics(gw: Gateway, client: openai.OpenAI) -> None:
     assert metric_value(gw, "kvgate_breaker_state", replica="sim-0", state="closed") == 1
     assert metric_value(gw, "kvgate_index_entries") >= 0
     assert metric_value(gw, "kvgate_rejections_total") >= 0
+
+
+def scrape(gw: Gateway) -> dict[str, Metric]:
+    """The gateway's /metrics page as metric families by name (counters named without ``_total``)."""
+    text = httpx.get(gw.url + "/metrics", timeout=5).text
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def sample(families: dict[str, Metric], name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` (e.g. ``x_total``, ``x_bucket``) with these labels, over every family."""
+    return sum(
+        s.value for f in families.values() for s in f.samples if s.name == name and labels.items() <= s.labels.items()
+    )
+
+
+def test_metrics_say_whether_caching_pays(gw: Gateway, client: openai.OpenAI, sim: Sim) -> None:
+    before = scrape(gw)
+    prompt = "the metered document " * 60
+    first = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
+    warm = first.headers["x-kvgate-replica"]
+
+    def held() -> bool:
+        body = httpx.post(gw.url + "/kvgate/v1/explain", json={"model": MODEL, "prompt": prompt}, timeout=5).json()
+        return next(r for r in body["replicas"] if r["name"] == warm)["cached_tokens"]["gpu"] >= 16
+
+    wait_until(held)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert again.usage is not None and again.usage.prompt_tokens > 100
+    after = scrape(gw)
+
+    def delta(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert delta("kvgate_index_lookup_seconds_count") >= 2
+    assert 0 < sample(after, "kvgate_index_lookup_seconds_sum") < 1.0
+    assert delta("kvgate_matched_tokens_count") == 2
+    assert delta("kvgate_matched_tokens_sum") >= 16  # the repeat matched the first one's blocks
+    assert delta("kvgate_matched_tokens_bucket", le="0.0") == 1  # the first one matched nothing
+    assert delta("kvgate_prefill_avoided_seconds_total") > 0
+    # the index's view of each replica, and every drop reason and replication outcome from the start
+    assert {s.labels["replica"] for s in after["kvgate_events_generation"].samples} == {
+        f"sim-{i}" for i in range(sim.replicas)
+    }
+    assert {s.labels["reason"] for s in after["kvgate_events_dropped"].samples} == set(DROP_REASONS)
+    assert {s.labels["result"] for s in after["kvgate_transfers"].samples} == {
+        "started", "completed", "failed", "fallback"
+    }
+    assert sample(after, "kvgate_replication_started_total", reason="hot-prefix") == 0
+    assert sample(after, "kvgate_events_applied_total") > 0
+    # monotonic numbers are counters, and no *_created noise
+    for name in ("kvgate_events_applied", "kvgate_events_dropped", "kvgate_index_evictions",
+                 "kvgate_tokenizer_prompts", "kvgate_replication_started", "kvgate_config_reloads_ok"):
+        assert after[name].type == "counter", name
+    assert not [s.name for f in after.values() for s in f.samples if s.name.endswith("_created")]
 
 
 def test_stopped_replica_is_retried_elsewhere(sim: Sim, rr_gw: Gateway) -> None:

@@ -140,6 +140,13 @@ def test_draining_holder_is_pulled_from_instead_of_recomputing(
     pulled = record(sim, index_of(dest), "ask-doc")
     assert pulled["transfer_status"] == "pulled" and pulled["transferred_tokens"] >= doc_tokens
     assert metric_value(gw, "kvgate_transfers_total", result="completed") >= 1
+    # what the transfer moved and what it saved, for saved-prefill-per-byte
+    assert metric_value(gw, "kvgate_transfer_bytes_total") >= doc_tokens * 320 * 1024
+    assert metric_value(gw, "kvgate_transfer_prefill_avoided_seconds_total") > 0
+    assert metric_value(gw, "kvgate_transfer_seconds_count", result="completed") >= 1
+    assert metric_value(gw, "kvgate_transfers_total", result="started") >= metric_value(
+        gw, "kvgate_transfers_total", result="completed"
+    ) + metric_value(gw, "kvgate_transfers_total", result="fallback")
     # a pull is not a prefill: the calibrator did not take it as one (13,000 uncached tokens in ~220 ms)
     assert calibration_samples(gw) == samples
     # the destination announced the pulled blocks (BlockStored): the index now has it holding the document
@@ -172,5 +179,6 @@ def test_first_leg_failing_falls_back_to_recompute(fleet: tuple[Sim, Gateway], c
     dest, reason, text = ask(client, question, "ask-doc-source-gone")
     assert reason == "transfer" and dest != drained and text  # decided before kvgate could know the source died
     assert metric_value(gw, "kvgate_transfers_total", result="fallback") == fallbacks + 1
+    assert metric_value(gw, "kvgate_transfer_seconds_count", result="fallback") == fallbacks + 1
     served = record(sim, index_of(dest), "ask-doc-source-gone")
     assert served["status"] == "completed" and served["transfer_status"] is None and served["transferred_tokens"] == 0

@@ -206,7 +206,7 @@ def test_a_restarted_replica_loses_its_holdings_under_a_new_generation(sim: Sim,
     assert row(explained, 1)["cached_tokens"]["gpu"] == 0
     assert row(explained, 1)["generation"] > generation
     assert events_metric(gw, "restarts") == restarts + 1
-    assert events_metric(gw, "generations", key="sim-1") == row(explained, 1)["generation"]
+    assert events_metric(gw, "generation", replica="sim-1") == row(explained, 1)["generation"]
     assert gpu_tokens(gw, lost, 1) == 0
 
 
@@ -246,7 +246,7 @@ def test_a_restart_hidden_behind_a_gap_is_not_replayed_into_the_old_generation(s
     explained = explain(gw, before)
     assert row(explained, 0)["cached_tokens"]["gpu"] == 0 and row(explained, 0)["generation"] > generation
     assert send(sim, 0, before) == 0  # the engine indeed lost it
-    assert events_metric(gw, "resets", key="replay_mismatch") == 1
+    assert events_metric(gw, "resets", reason="replay_mismatch") == 1
 
 
 def test_a_restart_right_after_a_replay_is_not_taken_for_duplicates(sim: Sim, gw: Gateway) -> None:
@@ -257,14 +257,14 @@ def test_a_restart_right_after_a_replay_is_not_taken_for_duplicates(sim: Sim, gw
     replayed = prompt_of("replayed-then-restarted")
     send(sim, 2, replayed)
     generation = row(wait_held(gw, replayed, 2), 2)["generation"]
-    detected = events_metric(gw, "resets", key="restart_after_replay") + events_metric(gw, "restarts")
+    detected = events_metric(gw, "resets", reason="restart_after_replay") + events_metric(gw, "restarts")
     sim_fault(sim, 0, "restart", 2)
     after = prompt_of("first-after-replay-and-restart")
     send(sim, 2, after)
     wait_held(gw, after, 2)
     explained = explain(gw, replayed)
     assert row(explained, 2)["cached_tokens"]["gpu"] == 0 and row(explained, 2)["generation"] > generation
-    assert events_metric(gw, "resets", key="restart_after_replay") + events_metric(gw, "restarts") == detected + 1
+    assert events_metric(gw, "resets", reason="restart_after_replay") + events_metric(gw, "restarts") == detected + 1
 
 
 def test_without_replay_a_gap_purges_the_replica_and_holdings_rebuild(sim: Sim, gw: Gateway) -> None:

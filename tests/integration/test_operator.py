@@ -126,12 +126,12 @@ def test_tenants_get_different_cache_salts_upstream(sim: Sim, gateway: tuple[Gat
 
 def test_bad_reload_keeps_old_config_and_is_counted(gateway: tuple[Gateway, str]) -> None:
     gw, good = gateway
-    before = metric(gw, "kvgate_config_reloads_rejected")
+    before = metric(gw, "kvgate_config_reloads_rejected_total")
     try:
         gw.config_path.write_text(good + "unknown_section: 1\n")
         resp = httpx.post(gw.url + "/admin/reload", headers=ADMIN, timeout=5)
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "config_rejected"
-        wait_until(lambda: metric(gw, "kvgate_config_reloads_rejected") >= before + 1, what="rejection counted")
+        wait_until(lambda: metric(gw, "kvgate_config_reloads_rejected_total") >= before + 1, what="rejection counted")
         assert complete(gw, ALICE).status_code == 200  # old config (and its tenants) still in force
         assert complete(gw, {}).status_code == 401
     finally:
@@ -188,14 +188,14 @@ def test_scraped_engine_load_is_visible(gateway: tuple[Gateway, str]) -> None:
 
 def test_reloaded_file_adds_and_removes_replicas_and_sighup_does_not_kill(sim: Sim, gateway: tuple[Gateway, str]) -> None:
     gw, good = gateway
-    ok_before = metric(gw, "kvgate_config_reloads_ok")
+    ok_before = metric(gw, "kvgate_config_reloads_ok_total")
     data = yaml.safe_load(good)
     data["replicas"].append({"name": "from-file", "url": sim.url(2)})
     try:
         gw.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         gw.process.signal(signal.SIGHUP)
         wait_until(lambda: "from-file" in replicas(gw), what="replica from the reloaded file")
-        assert metric(gw, "kvgate_config_reloads_ok") >= ok_before + 1
+        assert metric(gw, "kvgate_config_reloads_ok_total") >= ok_before + 1
         assert gw.process.alive()
     finally:
         gw.config_path.write_text(good)

@@ -22,12 +22,16 @@ kvgate_decisions_created{action="route",reason="warm"} 1.7e9
 # HELP kvgate_transfers_total KV transfer handshakes by result (completed, fallback).
 # TYPE kvgate_transfers_total counter
 kvgate_transfers_total{result="completed"} 3.0
+kvgate_transfers_total{result="failed"} 0.0
 # HELP kvgate_warmup_tokens_total Prompt tokens prefilled by hot-prefix warm-ups.
 # TYPE kvgate_warmup_tokens_total counter
 kvgate_warmup_tokens_total 8192.0
-# HELP kvgate_replication_started Hot-prefix warm-ups by reason: started
-# TYPE kvgate_replication_started gauge
-kvgate_replication_started{key="hot-prefix"} 2.0
+# HELP kvgate_replication_started_total Hot-prefix warm-ups started, by reason.
+# TYPE kvgate_replication_started_total counter
+kvgate_replication_started_total{reason="hot-prefix"} 2.0
+# HELP kvgate_replication_failed_total Warm-ups that failed, by reason.
+# TYPE kvgate_replication_failed_total counter
+kvgate_replication_failed_total{reason="timeout"} 0.0
 """
 
 
