@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,30 +13,10 @@ from pathlib import Path
 
 import httpx
 
+from loadgen.bench import free_port_block
+
 KVGATE = [sys.executable, "-m", "router.cli"]
 REPO = Path(__file__).resolve().parent.parent
-
-
-def port_block(n: int, start: int = 20000, end: int = 60000) -> int:
-    """First port p such that p..p+n-1 are all free on 127.0.0.1 (randomised start, so parallel runs rarely collide)."""
-    import random
-
-    for _ in range(200):
-        base = random.randrange(start, end - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
 
 
 @dataclass
@@ -124,8 +103,8 @@ class Sim:
 
 
 def start_sim(tmp_path: Path, replicas: int = 2, *extra: str, timeout: float = 30.0) -> Sim:
-    http_port = port_block(replicas)
-    zmq_port = port_block(2 * replicas)
+    http_port = free_port_block(replicas)
+    zmq_port = free_port_block(2 * replicas)
     config = tmp_path / f"fleet-{http_port}.yaml"
     args = [
         *KVGATE, "sim", "--replicas", str(replicas), "--port", str(http_port), "--zmq-port", str(zmq_port),
@@ -158,7 +137,7 @@ class Gateway:
 
 
 def start_kvgate(tmp_path: Path, config_path: Path, *extra: str, timeout: float = 30.0) -> Gateway:
-    port = port_block(1)
+    port = free_port_block(1)
     args = [*KVGATE, "serve", "--config", str(config_path), "--port", str(port), *extra]
     proc = ManagedProcess(args, tmp_path / f"kvgate-{port}.log").start()
     gw = Gateway(proc, port, config_path, list(extra))

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cache_index.ingest import DROP_REASONS
 from cache_index.vllm_wire import BlockStored, KVEventBatch
-from tests.support import KVGATE, REPO, Gateway, ManagedProcess, Sim, port_block, start_kvgate, start_sim
+from tests.support import KVGATE, REPO, Gateway, ManagedProcess, Sim, free_port_block, start_kvgate, start_sim
 
 pytestmark = pytest.mark.integration
 
@@ -434,7 +434,7 @@ def test_bad_policy_file_exits_2_naming_the_field(tmp_path: Path) -> None:
 
 
 def test_demo_serves_in_front_of_its_own_fleet_and_stops_it(tmp_path: Path) -> None:
-    port, sim_port, zmq_port = port_block(1), port_block(4), port_block(8)
+    port, sim_port, zmq_port = free_port_block(1), free_port_block(4), free_port_block(8)
     demo = ManagedProcess(
         [*KVGATE, "demo", "--port", str(port), "--sim-port", str(sim_port), "--sim-zmq-port", str(zmq_port),
          "--time-scale", "0"], tmp_path / "demo.log",

@@ -16,7 +16,7 @@ from cache_index.ingest import EventIngestor
 from cache_index.keys import block_keys, namespace_key
 from cache_index.subscriber import SubscriptionManager
 from cache_index.vllm_wire import END_SEQ, BlockStored, KVEventBatch, encode_seq
-from tests.support import port_block
+from tests.support import free_port_block
 
 pytestmark = pytest.mark.integration
 
@@ -112,7 +112,7 @@ async def connect(engine: FakeEngine, ingestor: EventIngestor) -> None:
 @pytest.mark.parametrize("topic_in_replay", [True, False], ids=["vllm-0.26+", "vllm-0.24-"])
 async def test_live_frames_apply_and_a_dropped_frame_is_repaired_by_replay(fleet, topic_in_replay: bool) -> None:
     context, index, ingestor, manager = fleet
-    engine = FakeEngine(context, port_block(2), topic_in_replay=topic_in_replay)
+    engine = FakeEngine(context, free_port_block(2), topic_in_replay=topic_in_replay)
     try:
         manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
         await connect(engine, ingestor)
@@ -131,7 +131,7 @@ async def test_live_frames_apply_and_a_dropped_frame_is_repaired_by_replay(fleet
 
 async def test_replay_that_no_longer_covers_the_gap_purges(fleet) -> None:
     context, index, ingestor, manager = fleet
-    engine = FakeEngine(context, port_block(2))
+    engine = FakeEngine(context, free_port_block(2))
     try:
         manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
         await connect(engine, ingestor)
@@ -149,7 +149,7 @@ async def test_replay_that_no_longer_covers_the_gap_purges(fleet) -> None:
 
 async def test_an_engine_restarted_behind_a_gap_is_reset_not_replayed_into_the_old_generation(fleet) -> None:
     context, index, ingestor, manager = fleet
-    engine = FakeEngine(context, port_block(2))
+    engine = FakeEngine(context, free_port_block(2))
     try:
         manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
         await connect(engine, ingestor)
@@ -170,7 +170,7 @@ async def test_an_engine_restarted_behind_a_gap_is_reset_not_replayed_into_the_o
 
 async def test_an_engine_restarted_right_after_a_replay_is_not_taken_for_duplicates(fleet) -> None:
     context, index, ingestor, manager = fleet
-    engine = FakeEngine(context, port_block(2))
+    engine = FakeEngine(context, free_port_block(2))
     try:
         manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
         await connect(engine, ingestor)
@@ -191,7 +191,7 @@ async def test_an_engine_restarted_right_after_a_replay_is_not_taken_for_duplica
 
 async def test_without_replay_a_gap_purges_and_the_index_rebuilds_from_new_frames(fleet) -> None:
     context, index, ingestor, manager = fleet
-    engine = FakeEngine(context, port_block(2))
+    engine = FakeEngine(context, free_port_block(2))
     try:
         subscriber = manager.start("r", engine.endpoint, None, topic="kv")
         await connect(engine, ingestor)
@@ -214,7 +214,7 @@ async def test_without_replay_a_gap_purges_and_the_index_rebuilds_from_new_frame
 
 async def test_bad_frames_are_counted_and_never_stop_the_subscription(fleet) -> None:
     context, index, ingestor, manager = fleet
-    engine = FakeEngine(context, port_block(2))
+    engine = FakeEngine(context, free_port_block(2))
     try:
         subscriber = manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
         await connect(engine, ingestor)
@@ -233,7 +233,7 @@ async def test_bad_frames_are_counted_and_never_stop_the_subscription(fleet) -> 
 async def test_a_silent_stream_is_reconnected_and_keeps_working(fleet) -> None:
     context, index, ingestor, _ = fleet
     manager = SubscriptionManager(ingestor, context=context, idle_reconnect_s=0.1)
-    engine = FakeEngine(context, port_block(2))
+    engine = FakeEngine(context, free_port_block(2))
     try:
         subscriber = manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
         assert manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv") is subscriber
@@ -258,7 +258,7 @@ async def test_a_silent_stream_is_reconnected_and_keeps_working(fleet) -> None:
 
 async def test_a_replica_stopped_and_subscribed_again_at_once_keeps_its_new_subscription(fleet) -> None:
     context, index, ingestor, manager = fleet
-    engine = FakeEngine(context, port_block(2))
+    engine = FakeEngine(context, free_port_block(2))
     try:
         old = manager.start("r", engine.endpoint, None, topic="kv")
         stopping = manager.stop("r")  # as a listener does: the coroutine runs later, on its own task
@@ -273,7 +273,7 @@ async def test_a_replica_stopped_and_subscribed_again_at_once_keeps_its_new_subs
 
 async def test_joining_a_running_engine_catches_up_from_its_replay_buffer(fleet) -> None:
     context, index, ingestor, manager = fleet
-    engine = FakeEngine(context, port_block(2))
+    engine = FakeEngine(context, free_port_block(2))
     try:
         for seq in range(4):
             await engine.publish(seq, payload(seq), drop=True)  # published before anyone subscribed
@@ -295,7 +295,7 @@ async def test_joining_a_running_engine_catches_up_from_its_replay_buffer(fleet)
 async def test_an_unreachable_replay_endpoint_times_out_and_purges(fleet) -> None:
     context, index, ingestor, _ = fleet
     manager = SubscriptionManager(ingestor, context=context, replay_timeout_s=0.2)
-    engine = FakeEngine(context, port_block(3))
+    engine = FakeEngine(context, free_port_block(3))
     nobody = f"tcp://127.0.0.1:{int(engine.endpoint.rsplit(':', 1)[1]) + 2}"
     try:
         manager.start("r", engine.endpoint, nobody, topic="kv")

@@ -25,7 +25,7 @@ from router.proxy import (
     usage_of_body,
     usage_of_stream_tail,
 )
-from tests.support import port_block
+from tests.support import free_port_block
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -71,7 +71,7 @@ async def engines() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
         app.router.add_route("*", "/{tail:.*}", handler)
         runner = web.AppRunner(app)
         await runner.setup()
-        port = port_block(1)
+        port = free_port_block(1)
         await web.TCPSite(runner, "127.0.0.1", port).start()
         runners.append(runner)
         return f"http://127.0.0.1:{port}"
@@ -96,7 +96,7 @@ async def proxy(causes: list[str]) -> AsyncIterator[Proxy]:
 
 
 def closed_port_url() -> str:
-    return f"http://127.0.0.1:{port_block(1)}"
+    return f"http://127.0.0.1:{free_port_block(1)}"
 
 
 def forward(candidates: list[str], stream: bool = False, attempts: int = 3) -> Forward:
