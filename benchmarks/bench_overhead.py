@@ -34,7 +34,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support import KVGATE, ManagedProcess, port_block  # noqa: E402
+from loadgen.bench import free_port_block as port_block  # noqa: E402
+from tests.support import KVGATE, ManagedProcess  # noqa: E402
 
 MODEL = "kvgate-sim"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
