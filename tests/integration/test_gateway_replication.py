@@ -81,3 +81,21 @@ def test_cold_prefix_is_not_replicated_and_hot_prefix_is(fleet: tuple[Sim, Gatew
     first_legs = [r for r in warmed if (r["kv_transfer_params_in"] or {}).get("do_remote_decode")]
     pulls = [r for r in warmed if (r["kv_transfer_params_in"] or {}).get("do_remote_prefill")]
     assert first_legs and pulls and pulls[0]["transferred_tokens"] > 0
+
+    # with two holders, the prefix's traffic spreads over both by itself
+    async def second_burst() -> set[str]:
+        aclient = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        sem = asyncio.Semaphore(16)
+
+        async def one(i: int) -> str:
+            async with sem:
+                raw = await aclient.completions.with_raw_response.create(
+                    model=MODEL, prompt=f"{hot} follow-up {i}", max_tokens=20
+                )
+                return raw.headers["x-kvgate-replica"]
+
+        served = set(await asyncio.gather(*(one(i) for i in range(32))))
+        await aclient.close()
+        return served
+
+    assert asyncio.run(second_burst()) == {"sim-0", "sim-1"}
