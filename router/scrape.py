@@ -12,6 +12,7 @@ and usage fractions averaged.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -36,6 +37,8 @@ parser below filters anyway."""
 NO_COMPRESSION = {"Accept-Encoding": "identity"}
 """prometheus_client gzips when the client accepts it, and the gateway's session does not decompress (it passes
 bodies through), so ask for plain text: cheaper than gzip on both ends for a few hundred bytes."""
+PARSED_LINES_CACHED = 1024
+"""Distinct sample lines whose parse is remembered: a few per engine and value seen."""
 FAMILIES_BY_PREFIX: dict[str, tuple[str, ...]] = {
     prefix: tuple(sorted(n for n in WANTED_FAMILIES if n.startswith(prefix))) for prefix in ("vllm:", "sglang:")
 }
@@ -55,14 +58,14 @@ class ScrapedLoad:
     num_gpu_blocks: int | None = None
 
 
-def _wanted_lines(text: str) -> str:
+def _wanted_lines(text: str) -> list[str]:
     """Only the sample lines of the wanted families, cut out with ``str.find``.
 
     A vLLM page is ~100 KiB of other families, and looking at each of its lines in Python costs more than the parse
     itself. The exposition format keeps a family's samples contiguous, so each family is one ``find`` for its first
     sample plus a walk over the lines that follow; an engine's whole prefix is skipped when absent.
     """
-    kept = []
+    kept: list[str] = []
     for prefix, names in FAMILIES_BY_PREFIX.items():
         if prefix not in text:
             continue
@@ -74,8 +77,7 @@ def _wanted_lines(text: str) -> str:
                     end = len(text)
                 kept.append(text[i:end])
                 i = end + 1 if _is_sample_at(text, end + 1, name) else -1
-    kept.append("")
-    return "\n".join(kept)
+    return kept
 
 
 def _first_sample(text: str, name: str) -> int:
@@ -100,16 +102,16 @@ def parse_metrics(text: str, at: float) -> ScrapedLoad:
     counts: dict[str, int] = {}
     block_size: int | None = None
     num_gpu_blocks: int | None = None
-    for family in text_string_to_metric_families(_wanted_lines(text)):
-        for sample in family.samples:
-            if sample.name == VLLM_CACHE_INFO:
-                block_size = _int_label(sample.labels, "block_size", block_size)
-                num_gpu_blocks = _int_label(sample.labels, "num_gpu_blocks", num_gpu_blocks)
-            elif sample.name == SGLANG_PAGE_SIZE:
-                block_size = int(sample.value)
-            elif sample.name in WANTED_FAMILIES:
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-                counts[sample.name] = counts.get(sample.name, 0) + 1
+    for line in _wanted_lines(text):
+        for name, labels, value in _parse_sample_line(line):
+            if name == VLLM_CACHE_INFO:
+                block_size = _int_label(labels, "block_size", block_size)
+                num_gpu_blocks = _int_label(labels, "num_gpu_blocks", num_gpu_blocks)
+            elif name == SGLANG_PAGE_SIZE:
+                block_size = int(value)
+            elif name in WANTED_FAMILIES:
+                sums[name] = sums.get(name, 0.0) + value
+                counts[name] = counts.get(name, 0) + 1
     waiting = _first(sums, WAITING)
     running = _first(sums, RUNNING)
     usage_name = next((n for n in KV_USAGE if n in sums), None)
@@ -120,6 +122,19 @@ def parse_metrics(text: str, at: float) -> ScrapedLoad:
         kv_usage=None if usage_name is None else sums[usage_name] / counts[usage_name],
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
+    )
+
+
+@functools.lru_cache(maxsize=PARSED_LINES_CACHED)
+def _parse_sample_line(line: str) -> tuple[tuple[str, dict[str, str], float], ...]:
+    """``(name, labels, value)`` of one sample line, by ``prometheus_client``'s parser, remembered: scraped ten times a
+    second, an engine's lines mostly repeat (an idle engine's always do, ``cache_config_info`` never changes), and the
+    parser walks each line character by character. The labels are shared between calls: read them, never change
+    them. Raises ``ValueError`` on a malformed line (not remembered)."""
+    return tuple(
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(line + "\n")
+        for sample in family.samples
     )
 
 
