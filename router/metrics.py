@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -24,6 +24,8 @@ from cache_index.ingest import DROP_REASONS
 from policies.cost_model import CostModel
 
 log = logging.getLogger("kvgate.metrics")
+
+M = TypeVar("M", Counter, Histogram)
 
 disable_created_metrics()  # process-wide: the *_created series double every counter's output and nobody reads them
 
@@ -42,16 +44,32 @@ def prefill_avoided_ms(cost_model: CostModel, prompt_tokens: int, cached_tokens:
     return cost_model.prefill_ms(prompt_tokens) - cost_model.prefill_ms(prompt_tokens - cached, context=cached)
 
 
+class LabelledChildren(Generic[M]):
+    """A labelled metric whose children are kept in a dict by label values once resolved: ``labels()`` checks and
+    converts its arguments and takes a lock on every call, and the request path asks for the same few label sets
+    (replica, status, decision reason) over and over. Children appear on first use, exactly as with ``labels()``."""
+
+    def __init__(self, metric: M) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def labels(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class GatewayMetrics:
     """Every metric object the gateway updates on the request path."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.requests = Counter(
+        self.requests = LabelledChildren(Counter(
             "kvgate_requests", "Requests answered, by replica, HTTP status and routing decision reason.",
             ["replica", "status", "decision"], registry=r,
-        )
+        ))
         self.rejections = Counter(
             "kvgate_rejections", "Requests kvgate answered itself with an error (bad input, auth, no replica).",
             ["reason"], registry=r,
@@ -66,17 +84,17 @@ class GatewayMetrics:
         self.client_disconnects = Counter(
             "kvgate_client_disconnects", "Requests whose client left before the response completed.", registry=r
         )
-        self.decisions = Counter(
+        self.decisions = LabelledChildren(Counter(
             "kvgate_decisions", "Routing decisions by action and reason.", ["action", "reason"], registry=r
-        )
-        self.ttft = Histogram(
+        ))
+        self.ttft = LabelledChildren(Histogram(
             "kvgate_ttft_seconds", "Time to first token (first streamed chunk; streaming requests only).",
             ["cache"], buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.e2e = Histogram(
+        ))
+        self.e2e = LabelledChildren(Histogram(
             "kvgate_e2e_seconds", "End-to-end request latency as seen by kvgate.", ["cache"],
             buckets=LATENCY_BUCKETS, registry=r,
-        )
+        ))
         self.route_seconds = Histogram(
             "kvgate_route_seconds", "Time to tokenize, look up and decide (before any upstream call).",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5), registry=r,
