@@ -412,18 +412,20 @@ class PromptSplitter:
         size = self.chunk_chars
         if self._cut_re is None or len(text) < 2 * size:
             return [text]
-        cuts = self._cuts(text, 0, LONG_PIECE_FACTOR * size)
-        cuts += self._cuts(text, cuts[-1] if cuts else 0, size)
+        cuts = self._cuts(text, 0, LONG_PIECE_FACTOR * size, keep=LONG_PIECE_FACTOR * size)
+        cuts += self._cuts(text, cuts[-1] if cuts else 0, size, keep=0)
         bounds = [0, *cuts, len(text)]
         return [text[start:end] for start, end in zip(bounds, bounds[1:])]
 
-    def _cuts(self, text: str, start: int, size: int) -> list[int]:
+    def _cuts(self, text: str, start: int, size: int, keep: int) -> list[int]:
         """Cut positions after ``start``: the first cut point once ``size`` characters have passed since the last
-        cut, keeping at least ``size`` characters after the last one. Each depends only on the text before it, so
-        prompts sharing a prefix share its pieces; each search starts where the last one may cut."""
+        cut, keeping at least ``keep`` characters after the last one. Each depends only on the text before it, so
+        prompts sharing a prefix share its pieces; each search starts where the last one may cut. The fine cuts keep
+        nothing: a document re-sent with a new ending then re-encodes at most ~``size`` characters of it with the
+        ending, not ``size`` to ``2 × size``."""
         search = self._cut_re.search  # type: ignore[union-attr]
         cuts: list[int] = []
-        stop = len(text) - size
+        stop = len(text) - keep
         while (found := search(text, start + size, stop)) is not None:
             start = found.start()
             cuts.append(start)
