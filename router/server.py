@@ -9,6 +9,7 @@ message that names the field.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -23,6 +24,12 @@ from router.reload import ConfigHolder
 log = logging.getLogger("kvgate.server")
 
 EXIT_BAD_CONFIG = 2
+GC_YOUNG_THRESHOLD = 10_000
+"""Net container allocations between young-generation collections (CPython's default is 700). Requests in flight
+keep parsed JSON, token arrays and aiohttp/uvicorn objects alive, so with the default the collector ran every few
+requests and walked them: ~900 young and ~80 middle collections per 6,000 short requests at concurrency 64, ~0.4 s of
+CPU (~70 µs a request); with 10,000, about 15 and 1 (~0.05 s). Reference counting frees nearly everything anyway; the
+collector only has to find cycles, and a few thousand more objects waiting for it cost nothing."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
               f"{', '.join(POLICY_NAMES)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     server_cfg = holder.current.server
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     config = uvicorn.Config(
         create_app(holder),
         host=args.host or server_cfg.host,
