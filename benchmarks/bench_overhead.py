@@ -34,7 +34,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loadgen.bench import free_port_block as port_block  # noqa: E402
+from loadgen.bench import free_port_block  # noqa: E402
 from tests.support import KVGATE, ManagedProcess  # noqa: E402
 
 MODEL = "kvgate-sim"
@@ -107,7 +107,7 @@ class Target:
 
 
 def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tuple[ManagedProcess, list[Target]]:
-    sim_port, zmq_port = port_block(1), port_block(2)
+    sim_port, zmq_port = free_port_block(1), free_port_block(2)
     fleet = tmp / "fleet.yaml"
     sim = ManagedProcess(
         [*KVGATE, "sim", "--replicas", "1", "--port", str(sim_port), "--zmq-port", str(zmq_port), "--time-scale", "0",
@@ -118,18 +118,18 @@ def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tu
     sim.wait_http(sim_url + "/health", 60)
     targets = [Target("direct", sim_url, None)]
 
-    bare_port = port_block(1)
+    bare_port = free_port_block(1)
     bare = ManagedProcess([sys.executable, __file__, "bare-proxy", "--port", str(bare_port), "--upstream", sim_url],
                           tmp / "bare.log").start()
     targets.append(Target("bare-proxy", f"http://127.0.0.1:{bare_port}", bare))
 
-    kv_port = port_block(1)
+    kv_port = free_port_block(1)
     kvgate = ManagedProcess([*KVGATE, "serve", "--config", str(fleet), "--port", str(kv_port)],
                             tmp / "kvgate.log").start()  # as deployed: one JSON log line per request
     targets.append(Target("kvgate", f"http://127.0.0.1:{kv_port}", kvgate))
 
     if compare_tree is not None:
-        old_port = port_block(1)
+        old_port = free_port_block(1)
         # `-c` puts the other tree first on sys.path, so its router/, policies/... are the ones imported.
         launch = (f"import sys; sys.path.insert(0, {str(compare_tree)!r}); from router.cli import main; "
                   f"sys.exit(main(['serve', '--config', {str(fleet)!r}, '--port', '{old_port}']))")
@@ -137,7 +137,7 @@ def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tu
         targets.append(Target(f"kvgate@{compare_tree.name}", f"http://127.0.0.1:{old_port}", old))
 
     if with_sglang:
-        sg_port, sg_metrics = port_block(1), port_block(1)
+        sg_port, sg_metrics = free_port_block(1), free_port_block(1)
         sglang = ManagedProcess(
             [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", sim_url, "--policy", "cache_aware",
              "--host", "127.0.0.1", "--port", str(sg_port), "--prometheus-port", str(sg_metrics), "--log-level",

@@ -19,7 +19,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support import KVGATE, ManagedProcess, port_block  # noqa: E402
+from loadgen.bench import free_port_block  # noqa: E402
+from tests.support import KVGATE, ManagedProcess  # noqa: E402
 
 
 async def drive(urls: list[str], concurrency: int, warmup_s: float, seconds: float, max_tokens: int) -> None:
@@ -63,7 +64,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--max-tokens", type=int, default=4)
     args = parser.parse_args()
-    http_port, zmq_port = port_block(args.replicas), port_block(2 * args.replicas)
+    http_port, zmq_port = free_port_block(args.replicas), free_port_block(2 * args.replicas)
     sim = ManagedProcess(
         [*KVGATE, "sim", "--replicas", str(args.replicas), "--port", str(http_port), "--zmq-port", str(zmq_port),
          "--time-scale", "0"],
