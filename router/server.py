@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -78,8 +79,15 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=server_cfg.shutdown_grace_s,
     )
     server = uvicorn.Server(config)
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal with the handler it found: make that handler
+    # a clean exit, so callers' cleanup (`kvgate demo` stopping its simulated fleet) runs instead of the process dying.
+    signal.signal(signal.SIGTERM, _exit_after_shutdown)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     return 0 if server.started else 1
+
+
+def _exit_after_shutdown(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -433,7 +433,8 @@ def test_bad_policy_file_exits_2_naming_the_field(tmp_path: Path) -> None:
     assert "proxy.max_attempts" in done.stderr
 
 
-def test_demo_serves_in_front_of_its_own_fleet_and_stops_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_demo_serves_in_front_of_its_own_fleet_and_stops_it(tmp_path: Path, stop_signal: int) -> None:
     port, sim_port, zmq_port = free_port_block(1), free_port_block(4), free_port_block(8)
     demo = ManagedProcess(
         [*KVGATE, "demo", "--port", str(port), "--sim-port", str(sim_port), "--sim-zmq-port", str(zmq_port),
@@ -446,7 +447,7 @@ def test_demo_serves_in_front_of_its_own_fleet_and_stops_it(tmp_path: Path) -> N
         assert reply.choices[0].message.content
         assert "openai" in demo.output() and "curl" in demo.output()
         assert demo.proc is not None
-        demo.proc.send_signal(signal.SIGINT)  # Ctrl-C: kvgate shuts down, then the demo stops its sim
+        demo.proc.send_signal(stop_signal)  # kvgate shuts down gracefully, then the demo stops its sim
         assert demo.proc.wait(20) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{sim_port}/health", timeout=2)
