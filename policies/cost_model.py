@@ -152,8 +152,6 @@ class CostModel:
         p = self.prefill
         prefilling = view.in_flight_prefilling
         tokens = view.in_flight_prefill_tokens
-        if tokens > 0 and prefilling == 0:
-            prefilling = 1
         delay = 0.0
         mean_tokens: float = self.default_prompt_tokens
         if prefilling:

@@ -44,6 +44,7 @@ class Replica:
         self.draining = False
         self.in_flight = 0
         self.in_flight_prefill_tokens = 0
+        self.in_flight_prefilling = 0
         self.scraped: ScrapedLoad | None = None
         self.served_models: list[dict[str, Any]] = []
         self.generation = 0
@@ -72,19 +73,25 @@ class Replica:
 class LoadTicket:
     """The load one dispatched request puts on its replica, released exactly once."""
 
-    __slots__ = ("replica", "_prefill_tokens", "_finished")
+    __slots__ = ("replica", "_prefill_tokens", "_prefilling", "_finished")
 
     def __init__(self, replica: Replica, prefill_tokens: int) -> None:
         self.replica = replica
         self._prefill_tokens = prefill_tokens
+        self._prefilling = True
         self._finished = False
         replica.in_flight += 1
         replica.in_flight_prefill_tokens += prefill_tokens
+        replica.in_flight_prefilling += 1
         replica.breaker.on_dispatch()
 
     def first_token(self) -> None:
-        """The prefill is done: its tokens no longer wait on the replica. Idempotent."""
+        """The prefill is done: the request and its tokens no longer wait on the replica. Idempotent."""
+        if not self._prefilling:
+            return
+        self._prefilling = False
         self.replica.in_flight_prefill_tokens -= self._prefill_tokens
+        self.replica.in_flight_prefilling -= 1
         self._prefill_tokens = 0
 
     def finish(self, ok: bool) -> None:
@@ -166,6 +173,7 @@ class Fleet:
             draining=r.draining,
             in_flight=r.in_flight,
             in_flight_prefill_tokens=r.in_flight_prefill_tokens,
+            in_flight_prefilling=r.in_flight_prefilling,
             scraped_waiting=None if scraped is None else scraped.waiting,
             scraped_running=None if scraped is None else scraped.running,
             kv_usage=None if scraped is None else scraped.kv_usage,

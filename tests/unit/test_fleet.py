@@ -69,16 +69,19 @@ async def test_ticket_accounting_is_exact_and_idempotent(session: aiohttp.Client
     r = fleet.replicas["a"]
     t1 = fleet.dispatch("a", 100)
     t2 = fleet.dispatch("a", 50)
-    assert (r.in_flight, r.in_flight_prefill_tokens) == (2, 150)
+    t3 = fleet.dispatch("a", 0)  # a full cache hit still waits for its first engine step
+    assert (r.in_flight, r.in_flight_prefilling, r.in_flight_prefill_tokens) == (3, 3, 150)
     t1.first_token()
     t1.first_token()
-    assert (r.in_flight, r.in_flight_prefill_tokens) == (2, 50)
+    t3.first_token()
+    assert (r.in_flight, r.in_flight_prefilling, r.in_flight_prefill_tokens) == (3, 1, 50)
     t1.finish(ok=True)
     t1.finish(ok=False)
-    assert (r.in_flight, r.in_flight_prefill_tokens) == (1, 50)
+    t3.finish(ok=True)
+    assert (r.in_flight, r.in_flight_prefilling, r.in_flight_prefill_tokens) == (1, 1, 50)
     assert r.breaker.consecutive_failures == 0
     t2.finish(ok=False)  # finish without first token releases the prefill tokens too
-    assert (r.in_flight, r.in_flight_prefill_tokens) == (0, 0)
+    assert (r.in_flight, r.in_flight_prefilling, r.in_flight_prefill_tokens) == (0, 0, 0)
     assert r.breaker.consecutive_failures == 1
 
 
@@ -102,7 +105,7 @@ async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> Non
     fleet.dispatch("a", 30)
     v = fleet.view("a", PrefixMatch(gpu=16), session_match=True)
     assert v.healthy and v.match.gpu == 16 and v.last_session_match
-    assert (v.in_flight, v.in_flight_prefill_tokens) == (1, 30)
+    assert (v.in_flight, v.in_flight_prefilling, v.in_flight_prefill_tokens) == (1, 1, 30)
     assert (v.scraped_waiting, v.scraped_running, v.kv_usage) == (4, 2, 0.5)
     clock.now += 0.6
     v = fleet.view("a", PrefixMatch())
