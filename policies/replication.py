@@ -8,7 +8,6 @@ transfer when that is cheaper — and let the cost policy spread the traffic fro
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Hashable, Literal, Sequence
@@ -16,6 +15,7 @@ from typing import Hashable, Literal, Sequence
 from policies.base import ReplicaView
 from policies.config import ReplicationConfig
 from policies.cost_model import CostModel
+from policies.rate import DecayedRate
 
 RETIRE_FRACTION = 0.5
 """Hysteresis: warmed replicas are retired once the saving falls below this fraction of ``min_saving_ms_per_s``."""
@@ -56,8 +56,7 @@ class Retired:
 @dataclass(slots=True)
 class _Prefix:
     tokens: int
-    rate_per_s: float
-    updated: float
+    rate: DecayedRate
     holders: frozenset[str]
     warmed: set[str] = field(default_factory=set)
     """Replicas this planner warmed for the prefix, reported by :meth:`HotPrefixTracker.retire` when it cools."""
@@ -68,9 +67,8 @@ class _Prefix:
 class HotPrefixTracker:
     """Tracks per prefix a decayed request rate and plans warm-ups for the hot ones.
 
-    Rate: an exponentially decayed count scaled to requests per second (half-life ``half_life_s``), so a steady
-    Poisson stream of ``ρ`` requests/s reads ``ρ``. Heat: ``rate × (prefill_ms(prefix) − fixed_ms)`` — the
-    prefill every request avoids when it lands on a holder.
+    Rate: a :class:`policies.rate.DecayedRate` of the prefix's requests (half-life ``half_life_s``).
+    Heat: ``rate × (prefill_ms(prefix) − fixed_ms)`` — the prefill every request avoids when it lands on a holder.
 
     A prefix gets one more replica when all of these hold:
 
@@ -94,7 +92,6 @@ class HotPrefixTracker:
 
     def __init__(self, config: ReplicationConfig) -> None:
         self.config = config
-        self._decay_per_s = math.log(2) / config.half_life_s
         self._prefixes: dict[PrefixKey, _Prefix] = {}
         self._budget_tokens = config.warmup_budget_tokens_per_s
         self._budget_updated: float | None = None
@@ -113,10 +110,9 @@ class HotPrefixTracker:
         if entry is None:
             if len(self._prefixes) >= MAX_TRACKED:
                 self._forget_coldest(now)
-            entry = _Prefix(tokens=prefix_tokens, rate_per_s=0.0, updated=now, holders=frozenset(holders))
+            entry = _Prefix(tokens=prefix_tokens, rate=DecayedRate(self.config.half_life_s), holders=frozenset(holders))
             self._prefixes[prefix_key] = entry
-        self._decay(entry, now)
-        entry.rate_per_s += self._decay_per_s
+        entry.rate.add(now)
         entry.tokens = prefix_tokens
         entry.holders = frozenset(holders)
         if entry.pending is not None and entry.pending[0] in entry.holders:
@@ -147,7 +143,7 @@ class HotPrefixTracker:
                 self.counts[("retired", "cooled")] += 1
                 entry.warmed.clear()
                 entry.pending = None
-            if entry.rate_per_s < FORGET_RATE_PER_S and not entry.warmed:
+            if entry.rate.per_s(now) < FORGET_RATE_PER_S and not entry.warmed:
                 del self._prefixes[key]
         return retired
 
@@ -218,15 +214,8 @@ class HotPrefixTracker:
         return "transfer" if moved < cost_model.prefill_ms(tokens) else "prefill"
 
     def _heat(self, entry: _Prefix, cost_model: CostModel, now: float) -> float:
-        self._decay(entry, now)
         saved = cost_model.prefill_ms(entry.tokens) - cost_model.prefill.fixed_ms
-        return entry.rate_per_s * saved
-
-    def _decay(self, entry: _Prefix, now: float) -> None:
-        elapsed = now - entry.updated
-        if elapsed > 0:
-            entry.rate_per_s *= math.exp(-self._decay_per_s * elapsed)
-            entry.updated = now
+        return entry.rate.per_s(now) * saved
 
     def _refill(self, now: float) -> None:
         capacity = self.config.warmup_budget_tokens_per_s
@@ -236,8 +225,6 @@ class HotPrefixTracker:
 
     def _forget_coldest(self, now: float) -> None:
         """Drop the coldest tenth of the tracked prefixes (never ones with warmed replicas)."""
-        for entry in self._prefixes.values():
-            self._decay(entry, now)
-        coldest = sorted((k for k, e in self._prefixes.items() if not e.warmed), key=lambda k: self._prefixes[k].rate_per_s)
+        coldest = sorted((k for k, e in self._prefixes.items() if not e.warmed), key=lambda k: self._prefixes[k].rate.per_s(now))
         for key in coldest[: max(1, len(coldest) // 10)]:
             del self._prefixes[key]
