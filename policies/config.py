@@ -154,6 +154,9 @@ class CostPolicyConfig(Section):
     """A request's X-Session-ID last replica is credited this many ms (a soft hint, never a pin)."""
     approximate_match_weight: float = Field(0.5, ge=0, le=1)
     """Matches computed from approximate token ids are credited at this fraction."""
+    interference_weight: float = Field(1.0, ge=0)
+    """Weight of the delay a candidate's prefill imposes on the other requests arriving at that replica while it runs
+    (arrival rate × prefill² / 2), added to its predicted TTFT when candidates are compared; 0 compares TTFT alone."""
 
 
 class PrefixAffinityConfig(Section):

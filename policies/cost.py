@@ -19,9 +19,11 @@ class _Candidate:
     """The replica that serves the request (the transfer's destination for a transfer)."""
     ttft_ms: float
     score_ms: float
-    """``ttft_ms`` minus the session bonus: what candidates are compared on."""
+    """What candidates are compared on: ``ttft_ms`` plus ``interference_ms`` (weighted), minus the session bonus."""
     work_ms: float
     """Prefill the fleet spends on this candidate (uncached tokens; for a transfer, the source's leg)."""
+    interference_ms: float
+    """Delay ``work_ms`` imposes on other requests arriving where it runs (:meth:`CostModel.interference_ms`)."""
     load: int
     transfer: TransferEstimate | None = None
 
@@ -30,7 +32,11 @@ class CostPolicy:
     """Per eligible replica, predict TTFT = queue delay + lower-tier load + prefill of the uncached tokens
     (:class:`policies.cost_model.CostModel`); when a KV connector is configured, also predict pulling the longest
     prefix any replica can source (routable or draining, see ``ReplicaView.can_source``) to each other replica.
-    Pick the minimum. A transfer from a routable source never beats routing to that source (its first leg waits in
+    Candidates are compared on predicted TTFT plus the delay their prefill imposes on the requests that will arrive
+    at that replica while it runs (``interference_weight`` × :meth:`CostModel.interference_ms`): what the benchmark
+    and the fleet's users feel is the mean TTFT over all requests, not this one's alone. Without it, a request
+    whose holder is briefly busy recomputes a long prefix on an idle replica to save itself a few milliseconds and
+    holds up that replica's next arrivals for far longer. Pick the minimum. A transfer from a routable source never beats routing to that source (its first leg waits in
     the same queue); it wins when the warm replica takes no new requests — a drained replica's long prefix is
     pulled instead of recomputed — and loses to recompute for short prefixes, where link setup dominates.
 
@@ -52,6 +58,7 @@ class CostPolicy:
             only decides between near-equal candidates, never a pin.
         approximate_match_weight: 0.5 — matches from approximate token ids are credited at this fraction, and
             approximate requests are never transferred (the prefix they would move may not be theirs).
+        interference_weight: 1 — weight of the delay a candidate's prefill imposes on its replica's other arrivals.
         cost_model: the prefill / queue / transfer estimates (its coefficients may be swapped by calibration).
         rng: the tie-break randomness (unseeded by default, so separate routers break ties differently).
     """
@@ -70,7 +77,10 @@ class CostPolicy:
         weight = cfg.approximate_match_weight if request.approximate else 1.0
         queues = {v.name: model.queue_delay_ms(v) for v in views}
         estimates = {v.name: model.estimate(request, v, weight, queues[v.name]) for v in views}
-        candidates = [self._candidate(v, estimates[v.name].ttft_ms, estimates[v.name].prefill_ms, None) for v in views]
+        candidates = []
+        for v in views:
+            work = estimates[v.name].prefill_ms
+            candidates.append(self._candidate(v, estimates[v.name].ttft_ms, work, self._interference(v, work), None))
         source = None
         if model.transfer_enabled and not request.approximate:
             source = self._transfer_source(replicas, queues)
@@ -98,10 +108,19 @@ class CostPolicy:
         )
 
     def _candidate(
-        self, view: ReplicaView, ttft_ms: float, work_ms: float, transfer: TransferEstimate | None
+        self,
+        view: ReplicaView,
+        ttft_ms: float,
+        work_ms: float,
+        interference_ms: float,
+        transfer: TransferEstimate | None,
     ) -> _Candidate:
         bonus = self.config.session_bonus_ms if view.last_session_match else 0.0
-        return _Candidate(view, ttft_ms, ttft_ms - bonus, work_ms, replica_load(view), transfer)
+        score = ttft_ms + self.config.interference_weight * interference_ms - bonus
+        return _Candidate(view, ttft_ms, score, work_ms, interference_ms, replica_load(view), transfer)
+
+    def _interference(self, view: ReplicaView, work_ms: float) -> float:
+        return self.cost_model.interference_ms(view, work_ms) if self.config.interference_weight else 0.0
 
     def _transfer_source(self, replicas: Sequence[ReplicaView], queues: dict[str, float]) -> ReplicaView | None:
         """The replica holding the longest prefix among those that can serve a first leg (least queued on a tie),
@@ -140,7 +159,10 @@ class CostPolicy:
             )
             if estimate is not None and estimate.ms < estimates[dest.name].ttft_ms:
                 work = estimate.source_prefill_ms + estimate.dest_step_ms
-                found.append(self._candidate(dest, estimate.ms, work, estimate))
+                interference = self._interference(source, estimate.source_prefill_ms) + self._interference(
+                    dest, estimate.dest_step_ms
+                )
+                found.append(self._candidate(dest, estimate.ms, work, interference, estimate))
         return found
 
     def _reason(

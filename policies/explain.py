@@ -11,12 +11,14 @@ from policies.load import replica_load
 
 def replica_numbers(view: ReplicaView, estimate: Estimate) -> dict[str, object]:
     """One replica's row: the cost model's estimate plus its health (routable, draining, can be a transfer's
-    source) and load."""
+    source), load, arrival rate, and the delay its prefill would impose on that replica's next arrivals."""
     row = estimate.as_dict()
     row["healthy"] = view.healthy
     row["draining"] = view.draining
     row["can_source"] = view.can_source
     row["load"] = replica_load(view)
+    row["arrival_rate_per_s"] = view.arrival_rate_per_s
+    row["interference_ms"] = CostModel.interference_ms(view, estimate.prefill_ms)
     return row
 
 

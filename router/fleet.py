@@ -24,6 +24,7 @@ import aiohttp
 from cache_index.match import PrefixMatch
 from policies.base import ReplicaView
 from policies.config import KvgateConfig, ReplicaConfig
+from policies.rate import DecayedRate
 from router.breaker import CircuitBreaker
 from router.health import HealthState, fetch_models, probe_health
 from router.scrape import ScrapedLoad, scrape_metrics
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT_CAP_S = 1.0
 """A /metrics answer slower than this is useless for 100 ms load tracking."""
+ARRIVAL_RATE_HALF_LIFE_S = 10.0
+"""Memory of each replica's arrival rate: long enough to average a few dozen requests at a few per second, short
+enough to follow traffic that moved within a minute."""
 
 
 class Replica:
@@ -45,6 +49,8 @@ class Replica:
         self.in_flight = 0
         self.in_flight_prefill_tokens = 0
         self.in_flight_prefilling = 0
+        self.arrivals = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S)
+        """Requests the router dispatched here lately (every attempt, warm-ups and transfer legs included)."""
         self.scraped: ScrapedLoad | None = None
         self.served_models: list[dict[str, Any]] = []
         self.generation = 0
@@ -174,6 +180,7 @@ class Fleet:
             in_flight=r.in_flight,
             in_flight_prefill_tokens=r.in_flight_prefill_tokens,
             in_flight_prefilling=r.in_flight_prefilling,
+            arrival_rate_per_s=r.arrivals.per_s(self.clock()),
             scraped_waiting=None if scraped is None else scraped.waiting,
             scraped_running=None if scraped is None else scraped.running,
             kv_usage=None if scraped is None else scraped.kv_usage,
@@ -215,7 +222,9 @@ class Fleet:
     # load accounting and passive health
 
     def dispatch(self, name: str, prefill_tokens: int) -> LoadTicket:
-        return LoadTicket(self.replicas[name], max(0, prefill_tokens))
+        replica = self.replicas[name]
+        replica.arrivals.add(self.clock())
+        return LoadTicket(replica, max(0, prefill_tokens))
 
     def record_failure(self, name: str) -> None:
         r = self.replicas.get(name)

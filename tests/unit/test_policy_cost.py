@@ -62,6 +62,35 @@ def test_warm_wins_until_its_queue_eats_the_saving() -> None:
         assert decision.ranked == [expected, "idle" if expected == "warm" else "warm"]
 
 
+def test_recomputing_elsewhere_is_charged_the_delay_it_imposes_on_that_replicas_arrivals() -> None:
+    # 4,352-token prompt, 4,096 held by "warm", which is busy with one cold prefill (20 + 0.035 x 4,352 ms ahead).
+    # Predicted TTFT: warm 172 + 29 = 201 ms, idle 172 ms: on its own, the request would rather recompute.
+    # But "idle" takes 2.5 requests/s: its 172 ms recompute holds up 2.5 x 0.172 arrivals by 86 ms each (~37 ms),
+    # while the 29 ms warm prefill costs "warm"'s arrivals ~1 ms.
+    prompt, held = 4352, 4096
+    fleet = [
+        view("warm", gpu=held, queued=1, queued_tokens=prompt, arrival_rate_per_s=2.5),
+        view("idle", arrival_rate_per_s=2.5),
+    ]
+    alone = policy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0, interference_weight=0))
+    assert alone.decide(request(prompt), fleet).replica == "idle"
+    decision = policy(EXACT).decide(request(prompt), fleet)
+    assert (decision.replica, decision.reason) == ("warm", "warm")
+    rows = decision.details["replicas"]
+    assert rows["idle"]["interference_ms"] == pytest.approx(2.5 * rows["idle"]["prefill_ms"] ** 2 / 2000)
+    assert rows["idle"]["interference_ms"] > 30 > rows["warm"]["interference_ms"]
+    # An idle replica nobody sends to imposes on no one: the recompute wins again.
+    quiet = [fleet[0], view("idle")]
+    assert policy(EXACT).decide(request(prompt), quiet).replica == "idle"
+
+
+def test_cold_prompts_go_where_they_hold_up_the_fewest_arrivals() -> None:
+    fleet = [view(f"r{i}", arrival_rate_per_s=rate) for i, rate in enumerate((3.0, 0.2, 2.0, 1.5))]
+    for seed in range(20):
+        decision = policy(CostPolicyConfig(), seed=seed).decide(request(4000), fleet)
+        assert (decision.replica, decision.reason) == ("r1", "cold")
+
+
 def test_short_prefix_goes_warm_only_while_queue_is_tiny() -> None:
     # 500 cached tokens save 17.5 ms: one queued request (20 ms fixed) already costs more.
     p = policy(EXACT)
