@@ -1,12 +1,36 @@
 """Turn request records into the numbers a user compares: latency percentiles, throughput, hit ratio against the
 oracle, load imbalance; then policies side by side with ratios to the best baseline, as results.json, report.md and
 a terminal table.
+
+One noisy run per policy cannot carry a claim, so ``kvgate bench --repeat N`` runs every policy N times and this
+module reduces the repeats: per run, each metric's median (a summary of the same shape as one run's, so the ratios to
+the best baseline are computed on medians exactly as for one run), its min and max, and the candidate's paired wins
+(repeat k of the candidate against repeat k of each baseline).
+
+results.json layout. One repeat (``kvgate loadgen``, ``kvgate bench`` by default)::
+
+    {"meta": {...},                              # workload, seed, argv, "targets": {run: url}, ...
+     "summaries": {run: summary},                # summarize() of each run, plus CPU seconds and gateway counters
+     "ratios_to_best_baseline": {metric: {...}}, # compare() of the summaries
+     "requests": {run: [record, ...]}}           # every request of every run
+
+Several repeats (``kvgate bench --repeat N``, N > 1)::
+
+    {"meta": {..., "repeats": N},                # no "targets": each repeat has its own
+     "summaries": {run: summary},                # medians across repeats (median_summaries)
+     "ranges": {run: {metric: [min, max]}},      # across repeats, metrics with a value in some repeat
+     "ratios_to_best_baseline": {metric: {...}}, # compare() of the medians
+     "wins_per_repeat": [PairedWins.to_json()],  # candidate vs each baseline, repeat by repeat
+     "repeats": [{"repeat": k, "order": [run, ...], "targets": {run: url},
+                  "summaries": {run: summary}, "ratios_to_best_baseline": {...},
+                  "requests": {run: [record, ...]}}, ...]}
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +200,116 @@ def _missing(v: Any) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _median_of(values: Sequence[Any]) -> Any:
+    """Median of the values present; nested dicts (requests per replica, gateway counters) key by key. A field that
+    is not a number (or dict of numbers) keeps its first value; nothing present gives NaN (no data, as in one run)."""
+    present = [v for v in values if not _missing(v)]
+    if not present:
+        return math.nan
+    if all(isinstance(v, dict) for v in present):
+        keys = list(dict.fromkeys(k for v in present for k in v))
+        return {k: _median_of([v[k] for v in present if k in v]) for k in keys}
+    if all(_is_number(v) for v in present):
+        return statistics.median(present)
+    return present[0]
+
+
+def median_summaries(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per run (in first-seen order), every field's median across the repeats that ran it. The median, not the mean:
+    one repeat slowed by another process on this shared machine should not move the headline number."""
+    names = list(dict.fromkeys(name for summaries in repeats for name in summaries))
+    return {name: _median_of([s[name] for s in repeats if name in s]) for name in names}
+
+
+def metric_ranges(repeats: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per run, each metric's (min, max) across repeats, over the repeats where it has a value."""
+    names = list(dict.fromkeys(name for summaries in repeats for name in summaries))
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for name in names:
+        ranges: dict[str, tuple[float, float]] = {}
+        for m in METRICS:
+            values = [s[name].get(m.key) for s in repeats if name in s]
+            present = [v for v in values if not _missing(v)]
+            if present:
+                ranges[m.key] = (min(present), max(present))
+        out[name] = ranges
+    return out
+
+
+PAIRED_METRICS: tuple[str, ...] = ("engine_ttft_mean_ms", "engine_ttft_p99_ms", "ttft_mean_ms", "ttft_p99_ms")
+"""The metrics the claim is about (issue 5: cost beats every baseline on mean and p99 TTFT)."""
+
+
+@dataclass(frozen=True)
+class PairedWins:
+    """The candidate against one baseline on one metric, repeat by repeat: repeat k of each ran on the same workload
+    at about the same time, so pairing cancels the machine's slow drift that medians alone would keep."""
+
+    metric: Metric
+    baseline: str
+    candidate: str
+    wins: int
+    ties: int
+    compared: int
+    """Repeats where both have a value."""
+    repeats: int
+    ratios: tuple[float, ...]
+    """candidate / baseline in each compared repeat (NaN where the baseline is 0)."""
+
+    def sentence(self) -> str:
+        """E.g. ``cost < prefix_affinity on engine TTFT mean in 5/5 repeats (ratios 0.88–0.97)``."""
+        better = "<" if self.metric.better == "lower" else ">"
+        head = f"{self.candidate} {better} {self.baseline} on {self.metric.label}"
+        if not self.compared:
+            return f"{head}: no repeat where both have a value"
+        text = f"{head} in {self.wins}/{self.compared} repeats"
+        finite = [r for r in self.ratios if not math.isnan(r)]
+        if finite:
+            text += f" (ratios {min(finite):.2f}–{max(finite):.2f})"
+        if self.ties:
+            text += f", {self.ties} tied"
+        if self.compared < self.repeats:
+            text += f"; {self.repeats - self.compared} of {self.repeats} repeats lack a value"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        return {"metric": self.metric.key, "baseline": self.baseline, "candidate": self.candidate,
+                "wins": self.wins, "ties": self.ties, "compared": self.compared, "repeats": self.repeats,
+                "ratios": list(self.ratios), "text": self.sentence()}
+
+
+def paired_wins(repeats: Sequence[dict[str, dict[str, Any]]], candidate: str = CANDIDATE,
+                metrics: Sequence[str] = PAIRED_METRICS) -> list[PairedWins]:
+    """For each baseline (every other run) and each of ``metrics``: in how many repeats the candidate was strictly
+    better (a tie is not a win), and the per-repeat ratios. Empty when the candidate never ran."""
+    if not any(candidate in s for s in repeats):
+        return []
+    by_key = {m.key: m for m in METRICS}
+    baselines = [n for n in dict.fromkeys(n for s in repeats for n in s) if n != candidate]
+    out: list[PairedWins] = []
+    for baseline in baselines:
+        for key in metrics:
+            metric = by_key[key]
+            wins = ties = 0
+            ratios: list[float] = []
+            for s in repeats:
+                mine = s.get(candidate, {}).get(key)
+                theirs = s.get(baseline, {}).get(key)
+                if _missing(mine) or _missing(theirs):
+                    continue
+                ratios.append(mine / theirs if theirs else math.nan)
+                if mine == theirs:
+                    ties += 1
+                elif (mine < theirs) == (metric.better == "lower"):
+                    wins += 1
+            out.append(PairedWins(metric, baseline, candidate, wins, ties, len(ratios), len(repeats), tuple(ratios)))
+    return out
+
+
 def _json_safe(v: Any) -> Any:
     """NaN (no data, e.g. no TTFT when every request failed) becomes null, so results.json is strict JSON."""
     if isinstance(v, float) and math.isnan(v):
@@ -201,27 +335,52 @@ def _label(m: Metric) -> str:
     return f"{m.label} ({m.unit})" if m.unit else m.label
 
 
+Ranges = dict[str, dict[str, tuple[float, float]]]
+
+
+def _cell(value: Any, spread: tuple[float, float] | None) -> str:
+    """One table cell: the value, or with repeats ``median (min–max)``."""
+    if spread is None or _missing(value):
+        return _fmt(value)
+    return f"{_fmt(value)} ({_fmt(spread[0])}–{_fmt(spread[1])})"
+
+
+def _row_cells(m: Metric, summaries: dict[str, dict[str, Any]], ranges: Ranges | None) -> list[str]:
+    return [_cell(s.get(m.key), ranges.get(name, {}).get(m.key) if ranges is not None else None)
+            for name, s in summaries.items()]
+
+
 def markdown_report(title: str, meta: dict[str, Any], summaries: dict[str, dict[str, Any]],
-                    ratios: dict[str, dict[str, Any]]) -> str:
+                    ratios: dict[str, dict[str, Any]], ranges: Ranges | None = None,
+                    wins: Sequence[PairedWins] = ()) -> str:
+    """report.md. With ``ranges`` (several repeats) ``summaries`` are the medians and each cell shows
+    ``median (min–max)``; ``wins`` adds the paired comparison per repeat."""
     names = list(summaries)
     lines = [f"# {title}", ""]
     lines += [f"- {k}: `{v}`" for k, v in meta.items()]
     head = ["metric", *names] + ([f"{CANDIDATE} / best baseline"] if ratios else [])
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in METRICS:
-        row = [_label(m), *(_fmt(summaries[n].get(m.key)) for n in names)]
+        row = [_label(m), *_row_cells(m, summaries, ranges)]
         if ratios:
             r = ratios.get(m.key)
             row.append(f"{r['ratio']:.2f}× vs {r['best_baseline']}" if r and not _missing(r["ratio"]) else "n/a")
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Ratios: below 1 is better for latency, imbalance and errors; above 1 for throughput and hit ratio.",
+    lines += [""]
+    if ranges is not None:
+        lines += ["Each cell is the median (min–max) across repeats; ratios to the best baseline are of the medians."]
+    lines += ["Ratios: below 1 is better for latency, imbalance and errors; above 1 for throughput and hit ratio.",
               "Hit ratio = cached / prompt tokens reported by the engines; oracle = an infinite cache shared by the"
               " whole fleet (block size 16). CPU = user + system seconds of the process group while the workload ran."]
-    lines += gateway_counter_lines(summaries)
+    if wins:
+        lines += ["", "## Wins per repeat", "",
+                  f"{CANDIDATE} against each baseline in the same repeat (a tie is not a win):", ""]
+        lines += [f"- {w.sentence()}" for w in wins]
+    lines += gateway_counter_lines(summaries, medians=ranges is not None)
     return "\n".join(lines) + "\n"
 
 
-def gateway_counter_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
+def gateway_counter_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> list[str]:
     """What each kvgate did, from its /metrics at the end of the run: decisions by action/reason, hot-prefix
     replication events, warm-up tokens, transfers. Runs without counters (peer routers) are left out."""
     lines: list[str] = []
@@ -235,19 +394,25 @@ def gateway_counter_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
             if values:
                 parts.append(f"{group} " + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(values.items())))
         lines.append(f"- {name}: " + ("; ".join(parts) if parts else "no decisions counted"))
-    return ["", "Gateway counters at the end of each run:", ""] + lines if lines else []
+    heading = "Gateway counters at the end of each run" + (" (median across repeats)" if medians else "") + ":"
+    return ["", heading, ""] + lines if lines else []
 
 
 def print_table(title: str, summaries: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]],
-                console: Console | None = None) -> None:
+                console: Console | None = None, ranges: Ranges | None = None,
+                wins: Sequence[PairedWins] = ()) -> None:
+    """The terminal table; with ``ranges`` (several repeats) cells show ``median (min–max)``, then the wins per
+    repeat, green when the candidate won every compared repeat."""
+    console = console or Console()
     table = Table(title=title)
     table.add_column("metric")
     for name in summaries:
         table.add_column(name, justify="right")
     if ratios:
-        table.add_column(f"{CANDIDATE} / best baseline", justify="right")
+        table.add_column(f"{CANDIDATE} / best baseline" + (" (medians)" if ranges is not None else ""),
+                         justify="right")
     for m in METRICS:
-        row = [_label(m), *(_fmt(s.get(m.key)) for s in summaries.values())]
+        row = [_label(m), *_row_cells(m, summaries, ranges)]
         if ratios:
             r = ratios.get(m.key)
             if r and not _missing(r["ratio"]):
@@ -256,18 +421,75 @@ def print_table(title: str, summaries: dict[str, dict[str, Any]], ratios: dict[s
             else:
                 row.append("n/a")
         table.add_row(*row)
-    (console or Console()).print(table)
+    console.print(table)
+    if wins:
+        console.print("[bold]wins per repeat[/] (same repeat, a tie is not a win):")
+        for w in wins:
+            colour = "green" if w.compared and w.wins == w.compared else "red"
+            console.print(f"  [{colour}]{w.sentence()}[/]")
 
 
 def write_results(out_dir: Path, meta: dict[str, Any], runs: dict[str, Sequence[RequestRecord]],
                   summaries: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]], title: str) -> None:
-    """results.json (everything, per request too) and report.md in ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """results.json (everything, per request too) and report.md in ``out_dir``, for one repeat."""
     doc = {
         "meta": meta,
         "summaries": summaries,
         "ratios_to_best_baseline": ratios,
         "requests": {name: [r.to_json() for r in records] for name, records in runs.items()},
     }
+    _write(out_dir, doc, markdown_report(title, meta, summaries, ratios))
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """One pass of a bench over every run (policies and peers), each on its own fresh fleet, in ``order``."""
+
+    order: list[str]
+    targets: dict[str, str]
+    records: dict[str, list[RequestRecord]]
+    summaries: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class RepeatedComparison:
+    """Several repeats reduced for the reports: per-run medians (shaped like one run's summaries), their ranges,
+    ratios of the medians to the best baseline, and the candidate's paired wins."""
+
+    repeats: list[Repeat]
+    summaries: dict[str, dict[str, Any]]
+    ranges: Ranges
+    ratios: dict[str, dict[str, Any]]
+    wins: list[PairedWins]
+
+    @classmethod
+    def of(cls, repeats: Sequence[Repeat], candidate: str = CANDIDATE) -> RepeatedComparison:
+        per_repeat = [r.summaries for r in repeats]
+        medians = median_summaries(per_repeat)
+        return cls(list(repeats), medians, metric_ranges(per_repeat), compare(medians, candidate),
+                   paired_wins(per_repeat, candidate))
+
+
+def write_repeated_results(out_dir: Path, meta: dict[str, Any], comparison: RepeatedComparison, title: str) -> None:
+    """results.json with every repeat (the layout in the module docstring) and report.md in ``out_dir``."""
+    doc = {
+        "meta": meta,
+        "summaries": comparison.summaries,
+        "ranges": comparison.ranges,
+        "ratios_to_best_baseline": comparison.ratios,
+        "wins_per_repeat": [w.to_json() for w in comparison.wins],
+        "repeats": [
+            {"repeat": k, "order": r.order, "targets": r.targets, "summaries": r.summaries,
+             "ratios_to_best_baseline": compare(r.summaries),
+             "requests": {name: [x.to_json() for x in records] for name, records in r.records.items()}}
+            for k, r in enumerate(comparison.repeats, start=1)
+        ],
+    }
+    report = markdown_report(title, meta, comparison.summaries, comparison.ratios, comparison.ranges, comparison.wins)
+    _write(out_dir, doc, report)
+
+
+def _write(out_dir: Path, doc: dict[str, Any], report: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(_json_safe(doc), indent=1, default=str, allow_nan=False))
-    (out_dir / "report.md").write_text(markdown_report(title, meta, summaries, ratios))
+    (out_dir / "report.md").write_text(report)
