@@ -22,8 +22,10 @@ def plots_available() -> bool:
 
 
 def write_plots(out_dir: Path, runs: dict[str, Sequence[RequestRecord]], summaries: dict[str, dict[str, Any]],
-                replicas: dict[str, Sequence[str]]) -> list[Path]:
-    """Write the PNGs into ``out_dir``; return their paths (empty if matplotlib is missing)."""
+                replicas: dict[str, Sequence[str]], repeats: int = 1) -> list[Path]:
+    """Write the PNGs into ``out_dir``; return their paths (empty if matplotlib is missing). With several
+    ``repeats``, ``runs`` are the first repeat's records (the in-flight timelines of different repeats cannot be
+    overlaid) and ``summaries`` the medians across repeats; each title says which it shows."""
     if not plots_available():
         return []
     import matplotlib
@@ -42,7 +44,7 @@ def write_plots(out_dir: Path, runs: dict[str, Sequence[RequestRecord]], summari
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms, log scale)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF")
+    ax.set_title("TTFT CDF" + _first_of(repeats))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     written.append(_save(fig, out_dir / "ttft_cdf.png"))
@@ -56,7 +58,7 @@ def write_plots(out_dir: Path, runs: dict[str, Sequence[RequestRecord]], summari
         for replica, counts in sorted(series.items()):
             if counts:
                 ax.plot(times, counts, linewidth=0.8, label=replica)
-        ax.set_title(f"{name}: in-flight requests per replica", fontsize=9)
+        ax.set_title(f"{name}: in-flight requests per replica{_first_of(repeats)}", fontsize=9)
         ax.set_ylabel("in flight")
     axes[-1, 0].set_xlabel("time since start (s)")
     if axes[0, 0].get_legend_handles_labels()[0]:
@@ -70,10 +72,14 @@ def write_plots(out_dir: Path, runs: dict[str, Sequence[RequestRecord]], summari
     ax.axhline(oracle, color="black", linestyle="--", label=f"oracle {oracle:.2f}")
     ax.set_ylim(0, 1)
     ax.set_ylabel("cached / prompt tokens")
-    ax.set_title("Cache hit ratio per policy")
+    ax.set_title("Cache hit ratio per policy" + (f" (median of {repeats} repeats)" if repeats > 1 else ""))
     ax.legend()
     written.append(_save(fig, out_dir / "hit_ratio.png"))
     return written
+
+
+def _first_of(repeats: int) -> str:
+    return f" (repeat 1 of {repeats})" if repeats > 1 else ""
 
 
 def _save(fig: Any, path: Path) -> Path:
