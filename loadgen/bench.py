@@ -4,6 +4,11 @@ For each policy: start ``kvgate sim`` (same arguments every time, free ports, ``
 --config ... --policy P`` in front of it, wait until both are ready, run the workload, stop both. ``--peer sglang``
 adds the SGLang Model Gateway (cache_aware) in front of an identical fleet when ``sglang_router`` is installed. Every
 child runs in its own process group and is stopped by PID when its run ends — also on errors and Ctrl-C.
+
+``--repeat N`` does that N times with the same seed and workload (what varies is this machine, not the requests),
+in an order rotated by one each repeat, so that every policy runs early and late and a drift in the machine's load
+does not favour whichever policy runs at a given time. The report then shows medians with their ranges and the
+candidate's wins per repeat (``loadgen.report``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -29,7 +35,10 @@ from rich.console import Console
 
 from loadgen.cli import add_workload_arguments, drive, load_workload, run_config
 from loadgen.plots import write_plots
-from loadgen.report import compare, print_table, schedule_warning, summarize, write_results
+from loadgen.report import (
+    Repeat, RepeatedComparison, compare, print_table, schedule_warning, summarize, write_repeated_results,
+    write_results,
+)
 from loadgen.runner import RequestRecord
 from loadgen.runstats import group_cpu_seconds, scrape_gateway_counters
 from loadgen.workloads import Request
@@ -181,26 +190,27 @@ def apply_settings(config: Path, settings: list[str]) -> None:
 
 
 @contextmanager
-def gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str) -> Iterator[Child]:
-    """kvgate serve with ``policy`` in front of ``fleet``; yields it (``url`` set) once /ready says 200."""
+def gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str, label: str) -> Iterator[Child]:
+    """kvgate serve with ``policy`` in front of ``fleet``; yields it (``url`` set) once /ready says 200. ``label``
+    names its log file."""
     port = free_port_block(1)
     cmd = [*KVGATE, "serve", "--config", str(fleet.config_path), "--host", "127.0.0.1", "--port", str(port),
            "--policy", policy, *shlex.split(args.serve_args)]
     url = f"http://127.0.0.1:{port}"
-    with running(Child(f"kvgate serve ({policy})", cmd, out_dir / "logs" / f"{policy}-kvgate.log")) as gw:
+    with running(Child(f"kvgate serve ({policy})", cmd, out_dir / "logs" / f"{label}-kvgate.log")) as gw:
         gw.wait_ready(url + "/ready", args.ready_timeout)
         gw.url = url
         yield gw
 
 
 @contextmanager
-def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet) -> Iterator[Child]:
+def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, label: str) -> Iterator[Child]:
     """The SGLang Model Gateway with its cache_aware policy (default parameters) in front of ``fleet``."""
     port = free_port_block(1)
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *fleet.replica_urls,
            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.peer_args)]
     url = f"http://127.0.0.1:{port}"
-    with running(Child("sglang router", cmd, out_dir / "logs" / "sglang-router.log")) as gw:
+    with running(Child("sglang router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
         gw.wait_ready(url + "/health", args.ready_timeout)
         gw.url = url
         yield gw
@@ -243,8 +253,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="override a policy-file field for every kvgate run, e.g. replication.enabled=false "
                         "(repeatable; value parsed as YAML)")
     b.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for sim and gateway readiness")
+    b.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
+                   help="run every policy N times (fresh fleets, same workload, order rotated each repeat) and report "
+                        "medians with min-max and wins per repeat (default 1)")
     add_workload_arguments(parser)
     parser.set_defaults(speed=None)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
+def rotated(runs: list[str], k: int) -> list[str]:
+    """The run order of repeat ``k`` (0-based): ``runs`` rotated left by k, so over len(runs) repeats every run
+    takes every position once."""
+    if not runs:
+        return []
+    shift = k % len(runs)
+    return runs[shift:] + runs[:shift]
 
 
 def _runs(args: argparse.Namespace) -> list[str]:
@@ -269,18 +301,18 @@ def run(args: argparse.Namespace) -> int:
     out_dir: Path = args.out or Path("bench-out") / f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"{args.workload}: {len(requests)} requests, {sum(r.prompt_tokens for r in requests):,} prompt tokens;"
-                  f" {args.replicas} replicas; runs: {', '.join(runs)}; output in {out_dir}")
+                  f" {args.replicas} replicas; runs: {', '.join(runs)}"
+                  + (f"; {args.repeat} repeats, order rotated each repeat" if args.repeat > 1 else "")
+                  + f"; output in {out_dir}")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    records: dict[str, list[RequestRecord]] = {}
+    repeats: list[Repeat] = []
     fleets: dict[str, list[str]] = {}
-    targets: dict[str, str] = {}
-    costs: dict[str, RunCost] = {}
     try:
-        for name in runs:
-            console.print(f"[bold]{name}[/]: starting a fresh fleet")
-            records[name], fleets[name], targets[name], costs[name] = _run_one(args, out_dir, name, requests)
-            done = summarize(records[name], fleets[name])
-            console.print(f"[bold]{name}[/]: {done['ok']}/{done['requests']} ok, TTFT mean {done['ttft_mean_ms']:.0f} ms")
+        for k in range(args.repeat):
+            repeat, fleets_seen = _run_repeat(args, out_dir, runs, k, requests, console)
+            repeats.append(repeat)
+            if k == 0:
+                fleets = fleets_seen  # same sim arguments every repeat: the same replica names
     except (RuntimeError, ConfigError) as e:
         console.print(f"[red]bench stopped: {e}")
         return 1
@@ -289,35 +321,69 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    summaries = {name: {**summarize(recs, fleets[name]), **costs[name].fields()} for name, recs in records.items()}
-    ratios = compare(summaries)
     title = f"kvgate bench: {args.workload}, {args.replicas} replicas, time scale {args.time_scale}"
     meta = {
         "workload": args.workload, "seed": args.seed, "requests": len(requests), "replicas": args.replicas,
         "kv_blocks": args.kv_blocks, "time_scale": args.time_scale, "speed": args.speed, "policies": runs,
-        "targets": targets, "settings": args.set,
+        **({"targets": repeats[0].targets} if len(repeats) == 1 else {"repeats": len(repeats)}),
+        "settings": args.set,
         "argv": " ".join(sys.argv[1:]),
         "note": "simulated fleet (kvgate sim) with its stated cost constants; latencies are wall-clock (scaled) except"
                 " engine TTFT, which is the sim's model clock (unscaled ms, free of this machine's CPU noise)",
     }
-    print_table(title, summaries, ratios, console)
-    for name, summary in summaries.items():
-        warning = schedule_warning(summary)
-        if warning:
-            console.print(f"[yellow]warning ({name}): {warning}")
-    write_results(out_dir, meta, records, summaries, ratios, title)
-    plots = write_plots(out_dir, records, summaries, fleets)
+    if len(repeats) == 1:
+        only = repeats[0]
+        summaries, ratios = only.summaries, compare(only.summaries)
+        print_table(title, summaries, ratios, console)
+        write_results(out_dir, meta, only.records, summaries, ratios, title)
+    else:
+        title += f", {len(repeats)} repeats"
+        comparison = RepeatedComparison.of(repeats)
+        summaries = comparison.summaries
+        print_table(title, summaries, comparison.ratios, console, comparison.ranges, comparison.wins)
+        write_repeated_results(out_dir, meta, comparison, title)
+    for k, repeat in enumerate(repeats, start=1):
+        for name, summary in repeat.summaries.items():
+            warning = schedule_warning(summary)
+            if warning:
+                where = f"{name}, repeat {k}/{len(repeats)}" if len(repeats) > 1 else name
+                console.print(f"[yellow]warning ({where}): {warning}")
+    plots = write_plots(out_dir, repeats[0].records, summaries, fleets, len(repeats))
     console.print(f"wrote {out_dir}/results.json, report.md" + (f", {len(plots)} plots" if plots else " (no matplotlib: no plots)"))
     return 0
 
 
+def _run_repeat(
+    args: argparse.Namespace, out_dir: Path, runs: list[str], k: int, requests: list[Request], console: Console
+) -> tuple[Repeat, dict[str, list[str]]]:
+    """Repeat ``k`` (0-based): every run once, in ``runs`` rotated by k, each on a fresh fleet. The repeat's dicts
+    keep the order of ``runs`` (the report's columns); also returns each run's fleet replica names."""
+    order = rotated(runs, k)
+    tag = f"repeat {k + 1}/{args.repeat}: " if args.repeat > 1 else ""
+    records: dict[str, list[RequestRecord]] = {}
+    fleets: dict[str, list[str]] = {}
+    targets: dict[str, str] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    for name in order:
+        label = name if args.repeat == 1 else f"{name}-r{k + 1}"
+        console.print(f"{tag}[bold]{name}[/]: starting a fresh fleet")
+        records[name], fleets[name], targets[name], cost = _run_one(args, out_dir, name, label, requests)
+        summaries[name] = {**summarize(records[name], fleets[name]), **cost.fields()}
+        done = summaries[name]
+        console.print(f"{tag}[bold]{name}[/]: {done['ok']}/{done['requests']} ok, TTFT mean {done['ttft_mean_ms']:.0f} ms")
+    repeat = Repeat(order=order, targets={n: targets[n] for n in runs}, records={n: records[n] for n in runs},
+                    summaries={n: summaries[n] for n in runs})
+    return repeat, {n: fleets[n] for n in runs}
+
+
 def _run_one(
-    args: argparse.Namespace, out_dir: Path, name: str, requests: list[Request]
+    args: argparse.Namespace, out_dir: Path, name: str, label: str, requests: list[Request]
 ) -> tuple[list[RequestRecord], list[str], str, RunCost]:
-    """One run on its own fleet: the records, the fleet's replica names, the URL the workload was sent to, and
-    what the run cost (CPU) and did (gateway counters)."""
-    with sim_fleet(args, out_dir, name) as fleet:
-        front = sglang_gateway(args, out_dir, fleet) if name == "sglang" else gateway(args, out_dir, fleet, name)
+    """One run on its own fleet (``label`` names its log files): the records, the fleet's replica names, the URL the
+    workload was sent to, and what the run cost (CPU) and did (gateway counters)."""
+    with sim_fleet(args, out_dir, label) as fleet:
+        front = (sglang_gateway(args, out_dir, fleet, label) if name == "sglang"
+                 else gateway(args, out_dir, fleet, name, label))
         with front as gw:
             assert gw.proc is not None
             cpu_before = (group_cpu_seconds(gw.proc.pid), group_cpu_seconds(fleet.pid))

@@ -80,3 +80,30 @@ def test_tiny_bench_with_the_sglang_peer(tmp_path: Path) -> None:
     assert peer["ok"] == 10 and sum(peer["requests_per_replica"].values()) == 10
     assert all(r["replica"] and r["engine_ttft_ms"] is not None for r in doc["requests"]["sglang"])
     assert not any(_listening(url) for url in doc["meta"]["targets"].values())
+
+
+@pytest.mark.skipif(not all(p.exists() for p in NEEDS), reason="kvgate sim and kvgate serve are not both present yet")
+def test_tiny_bench_repeated(tmp_path: Path) -> None:
+    """--repeat 2: each policy runs twice on fresh fleets, the second repeat in the rotated order, and the report
+    keeps both repeats besides the medians, ranges and wins per repeat."""
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "router.cli", "bench", "--workload", "unique", "--policies", "cost,round_robin",
+        "--repeat", "2", "--replicas", "2", "--time-scale", "0.01", "--requests", "6", "--prompt-tokens", "64",
+        "--output-tokens", "4", "--rate", "40", "--ready-timeout", "30", "--no-progress", "--out", str(out),
+    ]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "repeat 2/2: round_robin: starting a fresh fleet" in done.stdout
+
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["meta"]["repeats"] == 2
+    assert [r["order"] for r in doc["repeats"]] == [["cost", "round_robin"], ["round_robin", "cost"]]
+    for repeat in doc["repeats"]:
+        assert {name: s["ok"] for name, s in repeat["summaries"].items()} == {"cost": 6, "round_robin": 6}
+        assert all(len(records) == 6 for records in repeat["requests"].values())
+        assert not any(_listening(url) for url in repeat["targets"].values())
+    assert set(doc["ranges"]) == {"cost", "round_robin"}
+    assert {(w["baseline"], w["compared"]) for w in doc["wins_per_repeat"]} == {("round_robin", 2)}
+    assert "## Wins per repeat" in (out / "report.md").read_text()
+    assert len(list((out / "logs").glob("*-fleet.yaml"))) == 4
