@@ -210,16 +210,30 @@ class ReplicaApi:
         return ids
 
     def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
+        """The chat prompt's ids as vLLM builds them: the template (the model's, or the request's own
+        ``chat_template``) rendered with ``add_generation_prompt``, ``continue_final_message``, ``tools``,
+        ``documents`` and ``chat_template_kwargs``, then encoded with ``add_special_tokens`` (default false)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError("messages must be a non-empty list", "messages")
-        plain = [_plain_message(m) for m in messages]
+        for message in messages:
+            _check_message(message)
+        tokenizer = self.replica.model.tokenizer
         try:
-            return self.replica.model.tokenizer.encode_chat(plain, _bool(body, "add_generation_prompt", True))
+            text = tokenizer.render_chat(
+                messages,
+                _bool(body, "add_generation_prompt", True),
+                continue_final_message=_bool(body, "continue_final_message", False),
+                chat_template=_optional(body, "chat_template", str),
+                tools=_optional(body, "tools", list),
+                documents=_optional(body, "documents", list),
+                chat_template_kwargs=_optional(body, "chat_template_kwargs", dict),
+            )
         except ApiError:
             raise
         except Exception as e:  # a template that rejects the conversation (raise_exception, bad roles, ...)
             raise ApiError(f"chat template error: {e}", "messages") from None
+        return tokenizer.encode(text, _bool(body, "add_special_tokens", False))
 
     def _generation(self, request: web.BaseRequest, body: dict[str, Any], endpoint: str, ids: list[int]) -> Generation:
         p = self.replica.params
@@ -451,18 +465,22 @@ async def _json_body(request: web.BaseRequest) -> dict[str, Any]:
     return body
 
 
-def _plain_message(message: Any) -> dict[str, Any]:
-    """A chat message as the template wants it: role and text content (text parts joined, like vLLM's string form)."""
+def _check_message(message: Any) -> None:
+    """A chat message the sim can render: a string role and text content (a string or text parts); the template
+    code (:meth:`router.tokenization.ModelTokenizer.render_chat`) puts the parts together as vLLM does."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ApiError("each message must be an object with a string role", "messages")
     content = message.get("content")
     if isinstance(content, list):
-        texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError("only text content parts are supported", "messages")
-            texts.append(part["text"])
-        content = "\n".join(texts)
     elif content is not None and not isinstance(content, str):
         raise ApiError("message content must be a string or a list of text parts", "messages")
-    return {**message, "content": content or ""}
+
+
+def _optional(body: dict[str, Any], key: str, kind: type) -> Any:
+    value = body.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise ApiError(f"{key} must be a {kind.__name__}", key)
+    return value

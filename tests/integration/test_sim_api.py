@@ -275,3 +275,47 @@ def test_second_chat_turn_hits_the_first_turns_answer(client: openai.OpenAI) -> 
     computed = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the last sampled token has no KV
     assert second.usage.prompt_tokens_details.cached_tokens == computed // 16 * 16  # type: ignore[union-attr]
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+CHAT_OPTION_BODIES: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "partial ans"}],
+     "add_generation_prompt": False, "continue_final_message": True},
+    {"messages": [{"role": "user", "content": "what is the weather"}],
+     "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "text", "text": "parts"}]}],
+     "add_generation_prompt": False},
+    {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}],
+     "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>{% endif %}{{ flavour | default('') }}",
+     "chat_template_kwargs": {"flavour": "!!"}},
+]
+
+
+@pytest.mark.parametrize("body", CHAT_OPTION_BODIES)
+async def test_chat_options_tokenize_as_kvgate_does(sim: Sim, body: dict[str, Any]) -> None:
+    # The sim stands in for vLLM, so a chat prompt must become the same ids there as in kvgate's own tokenizer,
+    # whatever template options the request carries: otherwise routing would look up blocks the engine never stores.
+    from loadgen.assets import TOKENIZER_DIR
+    from policies.config import ModelConfig
+    from router.prompts import PromptTokenizer
+
+    prompts = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))])
+    try:
+        expected = (await prompts.tokenize(MODEL, "chat", body)).token_ids.tolist()
+    finally:
+        prompts.close()
+    async with httpx.AsyncClient(timeout=5) as http:
+        tokenized = (await http.post(sim.url(0) + "/tokenize", json={"model": MODEL, **body})).json()
+        assert tokenized["tokens"] == expected
+        completion = await http.post(sim.url(0) + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, **body})
+    assert completion.status_code == 200
+    assert completion.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_chat_option_conflicts_are_400(sim: Sim) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}
+    r = httpx.post(sim.url(0) + "/v1/chat/completions", json=body, timeout=5)  # add_generation_prompt defaults true
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    r = httpx.post(sim.url(0) + "/v1/chat/completions", json={**body, "continue_final_message": False, "tools": "x"}, timeout=5)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
