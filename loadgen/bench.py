@@ -36,7 +36,7 @@ from rich.console import Console
 from loadgen.cli import add_workload_arguments, drive, load_workload, run_config
 from loadgen.plots import write_plots
 from loadgen.report import (
-    Repeat, RepeatedComparison, compare, print_table, schedule_warning, summarize, write_repeated_results,
+    CANDIDATE, Repeat, RepeatedComparison, compare, print_table, schedule_warning, summarize, write_repeated_results,
     write_results,
 )
 from loadgen.runner import RequestRecord
@@ -145,7 +145,7 @@ def running(child: Child) -> Iterator[Child]:
 
 
 @contextmanager
-def sim_fleet(args: argparse.Namespace, out_dir: Path, label: str) -> Iterator[Fleet]:
+def sim_fleet(args: argparse.Namespace, out_dir: Path, label: str, settings: list[str]) -> Iterator[Fleet]:
     http_port = free_port_block(args.replicas)
     zmq_port = free_port_block(2 * args.replicas)
     config = out_dir / "logs" / f"{label}-fleet.yaml"
@@ -162,10 +162,19 @@ def sim_fleet(args: argparse.Namespace, out_dir: Path, label: str) -> Iterator[F
         deadline = time.monotonic() + args.ready_timeout
         while not config.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        apply_settings(config, args.set)
+        apply_settings(config, settings)
         names = [r.name for r in load_config(config).replicas]
         assert sim.proc is not None
         yield Fleet(config, urls, names, sim.proc.pid)
+
+
+def run_settings(settings: list[str], policy: str) -> list[str]:
+    """The policy-file overrides of one run: ``--set`` ones, plus ``replication.enabled=false`` behind a baseline
+    policy. Baselines stand for the peers they imitate, none of which warms extra replicas; kvgate's hot-prefix
+    replication belongs to the ``cost`` side of the comparison (an explicit ``--set replication.…`` wins)."""
+    if policy == CANDIDATE or any(s.startswith("replication.") for s in settings):
+        return settings
+    return ["replication.enabled=false", *settings]
 
 
 def apply_settings(config: Path, settings: list[str]) -> None:
@@ -326,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
         "workload": args.workload, "seed": args.seed, "requests": len(requests), "replicas": args.replicas,
         "kv_blocks": args.kv_blocks, "time_scale": args.time_scale, "speed": args.speed, "policies": runs,
         **({"targets": repeats[0].targets} if len(repeats) == 1 else {"repeats": len(repeats)}),
-        "settings": args.set,
+        "settings": {name: run_settings(args.set, name) for name in runs if name not in PEERS},
         "argv": " ".join(sys.argv[1:]),
         "note": "simulated fleet (kvgate sim) with its stated cost constants; latencies are wall-clock (scaled) except"
                 " engine TTFT, which is the sim's model clock (unscaled ms, free of this machine's CPU noise)",
@@ -381,7 +390,7 @@ def _run_one(
 ) -> tuple[list[RequestRecord], list[str], str, RunCost]:
     """One run on its own fleet (``label`` names its log files): the records, the fleet's replica names, the URL the
     workload was sent to, and what the run cost (CPU) and did (gateway counters)."""
-    with sim_fleet(args, out_dir, label) as fleet:
+    with sim_fleet(args, out_dir, label, run_settings(args.set, name)) as fleet:
         front = (sglang_gateway(args, out_dir, fleet, label) if name == "sglang"
                  else gateway(args, out_dir, fleet, name, label))
         with front as gw:
