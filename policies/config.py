@@ -206,6 +206,8 @@ class TransferConfig(Section):
 
 class ReplicationConfig(Section):
     enabled: bool = True
+    """Warm hot prefixes on more replicas (whatever the policy; the warmed replicas pay off under ``cost``, which
+    spreads a prefix's traffic over its holders by queue delay)."""
     half_life_s: float = Field(10.0, gt=0)
     """Decay of each prefix's request rate."""
     min_saving_ms_per_s: float = Field(200.0, ge=0)
