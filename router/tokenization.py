@@ -353,6 +353,10 @@ free of Unicode whitespace-class differences between Python and the tokenizer's 
 
 LONG_PIECE_FACTOR = 16
 """Pieces away from the end of a long text are this many times ``chunk_chars``."""
+TAIL_PIECE_DIVISOR = 4
+"""The text's last ``chunk_chars`` piece is cut again into pieces this many times smaller: a prompt that re-sends a
+document with a new ending then re-encodes ~``chunk_chars / 8`` characters of the document on average instead of
+~``chunk_chars / 2`` (encoding costs ~0.35 µs a character), for two or three more look-ups."""
 
 
 class PromptSplitter:
@@ -365,11 +369,12 @@ class PromptSplitter:
       message, so a growing chat re-encodes only its new messages.
     * inside long text (documents), before a space or newline that follows an ASCII letter or digit (for GPT-2's
       ByteLevel regex: any ASCII non-space character), every ``chunk_chars`` characters or so near the end of the text
-      and ``LONG_PIECE_FACTOR`` times that before: with a ByteLevel pre-tokenizer of the GPT-2 / Llama 3 / Qwen family
-      no pre-token spans that point (each pattern ends a word, number or punctuation run before whitespace and only
-      ever starts one with it), and BPE never merges across pre-tokens. Cut points depend only on the text before them, so two prompts sharing a document prefix share its
-      pieces; text with no newline at all (a one-line document) is cut as well. Only made in text free of added
-      tokens (so none can straddle a cut).
+      (the very last stretch every ``chunk_chars / TAIL_PIECE_DIVISOR``) and ``LONG_PIECE_FACTOR`` times that before:
+      with a ByteLevel pre-tokenizer of the GPT-2 / Llama 3 / Qwen family no pre-token spans that point (each pattern
+      ends a word, number or punctuation run before whitespace and only ever starts one with it), and BPE never merges
+      across pre-tokens. Cut points depend only on the text before them, so two prompts sharing a document prefix
+      share its pieces; text with no newline at all (a one-line document) is cut as well. Only made in text free of
+      added tokens (so none can straddle a cut).
 
     When a check fails (another tokenizer family, added tokens that strip whitespace...) that cut is simply not made
     and the larger piece is encoded whole: slower, never wrong.
@@ -407,13 +412,19 @@ class PromptSplitter:
 
     def _chunks(self, text: str) -> list[Piece]:
         """Pieces of ~``LONG_PIECE_FACTOR × chunk_chars`` characters, except the text's last stretch of at least that
-        many, which is cut every ~``chunk_chars``: a prompt that re-sends a long document with a new ending re-encodes
-        only a short tail, and a warm 100k-character document is a few dozen look-ups, not hundreds."""
+        many, which is cut every ~``chunk_chars``, and the last of those pieces, cut every ~``chunk_chars /
+        TAIL_PIECE_DIVISOR``: a prompt that re-sends a long document with a new ending re-encodes only a short tail,
+        and a warm 100k-character document is a few dozen look-ups, not hundreds.
+
+        The tail's cuts start at the last ``chunk_chars`` cut, which depends only on the text before it as long as the
+        new ending is too short to make another one; a longer ending re-encodes that last ``chunk_chars`` piece of the
+        document whole, as it would without the tail's cuts."""
         size = self.chunk_chars
         if self._cut_re is None or len(text) < 2 * size:
             return [text]
         cuts = self._cuts(text, 0, LONG_PIECE_FACTOR * size, keep=LONG_PIECE_FACTOR * size)
         cuts += self._cuts(text, cuts[-1] if cuts else 0, size, keep=0)
+        cuts += self._cuts(text, cuts[-1] if cuts else 0, max(1, size // TAIL_PIECE_DIVISOR), keep=0)
         bounds = [0, *cuts, len(text)]
         return [text[start:end] for start, end in zip(bounds, bounds[1:])]
 

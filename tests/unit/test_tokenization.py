@@ -48,6 +48,20 @@ def test_shipped_tokenizer_passes_both_self_checks(model: ModelTokenizer) -> Non
         assert encode_by_pieces(splitter, model.tokenizer, text) == model.encode(text, add_special_tokens=False)
 
 
+def test_a_new_short_ending_leaves_only_a_short_stretch_of_the_document_unshared(model: ModelTokenizer) -> None:
+    splitter = PromptSplitter(model.tokenizer, chunk_chars=64)
+    for words in range(300, 340):  # documents ending at every offset from the last 64-character cut
+        document = " ".join(f"word{i}" for i in range(words))
+        first = splitter.pieces(document + "\nFirst question?")
+        second = splitter.pieces(document + "\nOther question?")  # as long: no 64-character cut in either ending
+        shared = 0
+        for a, b in zip(first, second):
+            if a != b:
+                break
+            shared += len(a)
+        assert len(document) - shared <= 64 // 4 + len(" word399"), words  # the tail's cuts, not the 64-char ones
+        assert "".join(second) == document + "\nOther question?"
+
 def test_llama3_style_split_pre_tokenizer_cuts_only_after_letters_and_digits() -> None:
     pattern = sorted(BYTE_LEVEL_SPLIT_PATTERNS)[0]
     tokenizer = variant(pre_tokenizer={"type": "Sequence", "pretokenizers": [
