@@ -40,6 +40,7 @@ from router.tokenization import (
     TEXT_PART_FIELDS,
     ChatTemplate,
     ModelTokenizer,
+    Piece,
     PromptSplitter,
     compile_chat_template,
 )
@@ -306,13 +307,27 @@ class PromptTokenizer:
         keys = [(local.name, piece) for piece in pieces if isinstance(piece, str)]
         found = self.cache.get_many(keys)
         missing = [key for key, ids in zip(keys, found) if ids is None]
-        loop_cpu = time.thread_time() - started
         if sum(len(key[1]) for key in missing) <= INLINE_PROMPT_CHARS:
-            encoded, encode_cpu = self._encode_pieces(local, missing)
-        else:
-            loop = asyncio.get_running_loop()
-            encoded, encode_cpu = await loop.run_in_executor(self._pool, self._encode_pieces, local, missing)
+            # All on the loop, with no await: one CPU reading covers it (each costs a system call).
+            encoded = self._encode_pieces(local, missing)
+            return self._join(local, prompt, pieces, found, encoded), time.thread_time() - started
+        loop_cpu = time.thread_time() - started
+        loop = asyncio.get_running_loop()
+        encoded, encode_cpu = await loop.run_in_executor(self._pool, self._encode_pieces_timed, local, missing)
         started = time.thread_time()
+        joined = self._join(local, prompt, pieces, found, encoded)
+        return joined, loop_cpu + encode_cpu + time.thread_time() - started
+
+    @staticmethod
+    def _join(
+        local: _LocalModel,
+        prompt: _CompletionPrompt | _ChatPrompt,
+        pieces: list[Piece],
+        found: list[array[int] | None],
+        encoded: list[array[int]],
+    ) -> array[int]:
+        """The prompt's ids: cached and freshly encoded text pieces and added tokens in order, plus the tokenizer's
+        own prefix and suffix when the request asks for special tokens."""
         fresh = iter(encoded)
         joined = array("I")
         text_ids = iter([ids if ids is not None else next(fresh) for ids in found])
@@ -323,15 +338,21 @@ class PromptTokenizer:
                 joined.extend(next(text_ids))
         if prompt.add_special_tokens and (local.tokenizer.prefix_ids or local.tokenizer.suffix_ids):
             joined = array("I", local.tokenizer.prefix_ids) + joined + array("I", local.tokenizer.suffix_ids)
-        return joined, loop_cpu + encode_cpu + time.thread_time() - started
+        return joined
 
-    def _encode_pieces(self, local: _LocalModel, keys: list[tuple[str, str]]) -> tuple[list[array[int]], float]:
-        """Encode pieces the cache lacks and cache them (on the loop or a worker thread); their ids and the CPU."""
-        started = time.thread_time()
+    def _encode_pieces(self, local: _LocalModel, keys: list[tuple[str, str]]) -> list[array[int]]:
+        """Encode pieces the cache lacks and cache them (on the loop or a worker thread); their ids."""
         encoded = [(key, array("I", local.tokenizer.encode(key[1], add_special_tokens=False))) for key in keys]
         if encoded:
             self.cache.put_many(encoded)
-        return [ids for _, ids in encoded], time.thread_time() - started
+        return [ids for _, ids in encoded]
+
+    def _encode_pieces_timed(
+        self, local: _LocalModel, keys: list[tuple[str, str]]
+    ) -> tuple[list[array[int]], float]:
+        """:meth:`_encode_pieces` on a worker thread, with the CPU it took there."""
+        started = time.thread_time()
+        return self._encode_pieces(local, keys), time.thread_time() - started
 
     def _render(self, local: _LocalModel, prompt: _ChatPrompt) -> str:
         template = local.tokenizer.chat_template
