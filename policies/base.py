@@ -77,7 +77,8 @@ class Decision:
     ranked: list[str] = field(default_factory=list)
     """Every eligible replica, best first (``replica`` first); retries walk this list."""
     details: dict[str, Any] = field(default_factory=dict)
-    """The numbers behind the decision (per-replica predicted TTFT, queue delay...), for explain and logs."""
+    """The numbers behind the decision (per-replica predicted TTFT, queue delay...), for ``/kvgate/v1/explain``;
+    filled only when the policy is asked to ``explain``."""
 
 
 class Policy(Protocol):
@@ -85,9 +86,10 @@ class Policy(Protocol):
 
     name: ClassVar[str]
 
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView], explain: bool = False) -> Decision:
         """Pick a replica among ``replicas`` (all candidates, healthy or not; never pick an unhealthy one while a
-        healthy one exists). ``replicas`` is never empty."""
+        healthy one exists). ``replicas`` is never empty. With ``explain``, also fill ``Decision.details``: only
+        ``/kvgate/v1/explain`` reads them, so the request path does not pay for building them."""
         ...
 
 

@@ -70,7 +70,7 @@ class CostPolicy:
         self.cost_model = cost_model
         self._rng = rng
 
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView], explain: bool = False) -> Decision:
         cfg = self.config
         model = self.cost_model
         views = eligible(replicas)
@@ -104,7 +104,7 @@ class CostPolicy:
             reason=self._reason(chosen, candidates, estimates, margin),
             source=chosen.transfer.source if chosen.transfer else None,
             ranked=self._ranked(chosen, candidates),
-            details=self._details(request, views, estimates, candidates, chosen, source, queues),
+            details=self._details(request, views, estimates, candidates, chosen, source, queues) if explain else {},
         )
 
     def _candidate(

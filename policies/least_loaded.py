@@ -21,12 +21,12 @@ class LeastLoadedPolicy:
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView], explain: bool = False) -> Decision:
         views = eligible(replicas)
         chosen = least_loaded(views, self._rng)
         return Decision(
             replica=chosen.name,
             reason="least-loaded",
             ranked=rank_by_load(chosen, views),
-            details={"load": {v.name: replica_load(v) for v in views}},
+            details={"load": {v.name: replica_load(v) for v in views}} if explain else {},
         )

@@ -30,7 +30,7 @@ class PrefixAffinityPolicy:
         self.config = config
         self._rng = rng
 
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView], explain: bool = False) -> Decision:
         views = eligible(replicas)
         loads = [replica_load(v) for v in views]
         highest, lowest = max(loads), min(loads)
@@ -47,4 +47,6 @@ class PrefixAffinityPolicy:
                 reason = "affinity"
             else:
                 chosen, reason = least_loaded(views, self._rng), "least-loaded"
-        return Decision(replica=chosen.name, reason=reason, ranked=rank_by_load(chosen, views), details=details)
+        return Decision(
+            replica=chosen.name, reason=reason, ranked=rank_by_load(chosen, views), details=details if explain else {}
+        )

@@ -20,7 +20,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._cursor = 0
 
-    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> Decision:
+    def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView], explain: bool = False) -> Decision:
         views = eligible(replicas)
         start = self._cursor % len(views)
         self._cursor += 1

@@ -484,7 +484,7 @@ class Gateway:
         try:
             routed = await self.router.route(
                 endpoint, body, model=model, request_id=headers.get("x-request-id") or uuid.uuid4().hex,
-                session_id=headers.get("x-session-id"), tenant=tenant, cache_salt=salt,
+                session_id=headers.get("x-session-id"), tenant=tenant, cache_salt=salt, explain=True,
             )
         except PromptError as e:
             raise ApiError(400, e.message, param=e.param, code="invalid_prompt") from e

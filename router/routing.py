@@ -188,9 +188,11 @@ class Router:
         session_id: str | None,
         tenant: str | None,
         cache_salt: str | None,
+        explain: bool = False,
     ) -> Routed:
-        """Tokenize, look up and decide. Raises PromptError for a malformed prompt and NoHealthyReplica when the
-        fleet is empty."""
+        """Tokenize, look up and decide; with ``explain``, the policy also fills in the numbers behind its decision
+        (:meth:`explain` shows them). Raises PromptError for a malformed prompt and NoHealthyReplica when the fleet
+        is empty."""
         names = self.candidates(model)
         if not names:
             raise NoHealthyReplica(model)
@@ -220,7 +222,7 @@ class Router:
             tenant=tenant,
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
         )
-        decision = routing.policy.decide(request, list(views.values()))
+        decision = routing.policy.decide(request, list(views.values()), explain=explain)
         route_ms = (time.perf_counter() - started) * 1000.0 + tokenized.cpu_ms
         return Routed(request, decision, views, keys, tokenized, routing, route_ms, cache_salt, lookup_ms)
 
@@ -309,7 +311,8 @@ class Router:
                 routing.cost_model.prefill = routing.calibrator.current()
 
     def explain(self, routed: Routed) -> dict[str, Any]:
-        """The decision and the numbers behind it, per replica (``POST /kvgate/v1/explain``)."""
+        """The decision and the numbers behind it, per replica (``POST /kvgate/v1/explain``), for a request routed
+        with ``explain=True``."""
         decision = routed.decision
         request = routed.request
         numbers = decision.details.get("replicas")

@@ -74,7 +74,7 @@ def test_recomputing_elsewhere_is_charged_the_delay_it_imposes_on_that_replicas_
     ]
     alone = policy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0, interference_weight=0))
     assert alone.decide(request(prompt), fleet).replica == "idle"
-    decision = policy(EXACT).decide(request(prompt), fleet)
+    decision = policy(EXACT).decide(request(prompt), fleet, explain=True)
     assert (decision.replica, decision.reason) == ("warm", "warm")
     rows = decision.details["replicas"]
     assert rows["idle"]["interference_ms"] == pytest.approx(2.5 * rows["idle"]["prefill_ms"] ** 2 / 2000)
@@ -111,7 +111,7 @@ def test_lower_tiers_are_credited_at_load_cost() -> None:
 def test_unhealthy_never_picked_while_a_healthy_one_exists() -> None:
     p = policy()
     fleet = [view("warm", healthy=False, gpu=9000), view("busy", queued=50, queued_tokens=100_000)]
-    decision = p.decide(request(10_000), fleet)
+    decision = p.decide(request(10_000), fleet, explain=True)
     assert decision.replica == "busy" and decision.ranked == ["busy"]
     assert "warm" not in decision.details["replicas"]
     everyone_down = [view("a", healthy=False), view("b", healthy=False, gpu=9000)]
@@ -164,7 +164,7 @@ def test_approximate_matches_count_less() -> None:
     # warm saves 140 ms at full weight, 35 at a quarter; its queue costs 60.
     fleet = [view("warm", gpu=4000, queued=3), view("idle")]
     assert exact.decide(request(5000), fleet).replica == "warm"
-    decision = approximate.decide(request(5000, approximate=True), fleet)
+    decision = approximate.decide(request(5000, approximate=True), fleet, explain=True)
     assert decision.replica == "idle"
     assert decision.details["replicas"]["warm"]["cached_tokens"] == 1000
 
@@ -174,13 +174,15 @@ def test_details_carry_per_replica_numbers_like_explain_helper() -> None:
     p = policy(EXACT, cm)
     fleet = [view("warm", gpu=3000, queued=1, queued_tokens=500), view("idle")]
     r = request(4000)
-    decision = p.decide(r, fleet)
+    decision = p.decide(r, fleet, explain=True)
     rows = decision.details["replicas"]
     assert set(rows) == {"warm", "idle"}
     assert rows["warm"]["queue_delay_ms"] == pytest.approx(20 + 0.035 * 500)
     assert rows["warm"]["cached_tokens"] == 3000
     assert rows["idle"]["predicted_ttft_ms"] == pytest.approx(20 + 0.035 * 4000)
     assert rows == explain_replicas(r, fleet, cm)
+    unexplained = p.decide(r, fleet)  # the request path: same choice, no numbers built
+    assert (unexplained.replica, unexplained.reason, unexplained.details) == (decision.replica, decision.reason, {})
 
 
 def test_transfer_candidates_are_explained_and_never_beat_routing_to_their_source() -> None:
@@ -190,13 +192,13 @@ def test_transfer_candidates_are_explained_and_never_beat_routing_to_their_sourc
     r = request(40_016)
     for depth in (0, 10, 40, 200):
         fleet = [view("warm", gpu=40_000, queued=depth, queued_tokens=depth * 1000), view("idle")]
-        decision = p.decide(r, fleet)
+        decision = p.decide(r, fleet, explain=True)
         assert decision.action == "route"
         transfers = decision.details.get("transfers", [])
         for t in transfers:
             assert t["predicted_ttft_ms"] > decision.details["replicas"]["warm"]["predicted_ttft_ms"]
     # Idle source: the transfer to "idle" (~600 ms) is listed, 4x better than recomputing there.
-    decision = p.decide(r, [view("warm", gpu=40_000), view("idle")])
+    decision = p.decide(r, [view("warm", gpu=40_000), view("idle")], explain=True)
     (transfer,) = decision.details["transfers"]
     assert transfer["dest"] == "idle" and transfer["source"] == "warm"
     assert decision.details["replicas"]["idle"]["predicted_ttft_ms"] / transfer["predicted_ttft_ms"] > 3.5

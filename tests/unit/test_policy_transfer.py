@@ -23,7 +23,9 @@ def decide(
 ) -> Decision:
     model = CostModel(prefill, {}, transfer, KV_BYTES)
     policy = CostPolicy(CostPolicyConfig(), model, random.Random(0))
-    return policy.decide(RouteRequest(request_id="r", model="m", prompt_tokens=tokens, block_size=16), fleet)
+    return policy.decide(
+        RouteRequest(request_id="r", model="m", prompt_tokens=tokens, block_size=16), fleet, explain=True
+    )
 
 
 def routable(name: str, queued: int = 0, queued_tokens: int = 0, gpu: int = 0) -> ReplicaView:
