@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -84,6 +85,28 @@ _encode = msgspec.json.Encoder().encode
 
 def json_response(content: object, status: int = 200) -> Response:
     return Response(_encode(content), status_code=status, media_type="application/json")
+
+
+_CLIENT_HEADERS = frozenset((b"x-request-id", b"x-session-id", b"authorization"))
+
+
+@dataclass(slots=True)
+class ClientHeaders:
+    """The client headers the gateway acts on, read in one pass over the ASGI headers (first value of each, as
+    Starlette's ``Headers.get``, which scans the whole list and raises and catches a KeyError for each one absent)."""
+
+    request_id: str | None = None
+    session_id: str | None = None
+    authorization: str | None = None
+
+    @classmethod
+    def of(cls, scope: Scope) -> ClientHeaders:
+        found: dict[bytes, str] = {}
+        for name, value in scope["headers"]:
+            if name in _CLIENT_HEADERS and name not in found:
+                found[name] = value.decode("latin-1")
+        return cls(found.get(b"x-request-id"), found.get(b"x-session-id"), found.get(b"authorization"))
+
 
 
 class IndexFeed(FleetListener):
@@ -269,18 +292,18 @@ class Gateway:
 
     # request handling
 
-    def _tenant(self, headers: Headers) -> str | None:
+    def _tenant(self, client: ClientHeaders) -> str | None:
         try:
-            return self.tenants.resolve(headers.get("authorization"))
+            return self.tenants.resolve(client.authorization)
         except AuthError as e:
             raise ApiError(401, e.message, code=e.code) from e
 
-    def _upstream_headers(self, headers: Headers, request_id: str) -> dict[str, str]:
+    def _upstream_headers(self, client: ClientHeaders, request_id: str) -> dict[str, str]:
         out = {"content-type": "application/json", "x-request-id": request_id}
-        session_id = headers.get("x-session-id")
+        session_id = client.session_id
         if session_id:
             out["x-session-id"] = session_id
-        authorization = headers.get("authorization")
+        authorization = client.authorization
         if authorization and not self.tenants.enabled:
             out["authorization"] = authorization  # the engine's own key; with tenants on, the key is kvgate's
         return out
@@ -295,11 +318,11 @@ class Gateway:
     async def generate(self, request: Request, endpoint: Endpoint, path: str) -> Response:
         """Completions and chat completions: route on the prompt's cached prefix, proxy, stream back."""
         started = time.monotonic()
-        headers = request.headers
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        client = ClientHeaders.of(request.scope)
+        request_id = client.request_id or uuid.uuid4().hex
         tenant: str | None = None
         try:
-            tenant = self._tenant(headers)
+            tenant = self._tenant(client)
             raw = await read_body(request, self.config.server.max_body_bytes)
             body = parse_body(raw)
             model = required_model(body)
@@ -312,7 +335,7 @@ class Gateway:
                 raw = _encode(body)
             try:
                 routed = await self.router.route(
-                    endpoint, body, model=model, request_id=request_id, session_id=headers.get("x-session-id"),
+                    endpoint, body, model=model, request_id=request_id, session_id=client.session_id,
                     tenant=tenant, cache_salt=upstream_salt,
                 )
             except PromptError as e:
@@ -327,7 +350,7 @@ class Gateway:
         self.metrics.route_seconds.observe(routed.route_ms / 1000.0)
         self.metrics.lookup_seconds.observe(routed.lookup_ms / 1000.0)
         dispatcher = FleetDispatcher(self.fleet, routed.prefill_tokens)
-        up_headers = self._upstream_headers(headers, request_id)
+        up_headers = self._upstream_headers(client, request_id)
         transferred = False
         if decision.action == "transfer" and decision.source:
             raw, transferred = await self._transfer(path, body, raw, up_headers, routed, dispatcher)
@@ -441,11 +464,11 @@ class Gateway:
     async def passthrough(self, request: Request, path: str) -> Response:
         """Requests with no prompt prefix to match (embeddings): least-loaded replica, body unchanged."""
         started = time.monotonic()
-        headers = request.headers
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        client = ClientHeaders.of(request.scope)
+        request_id = client.request_id or uuid.uuid4().hex
         tenant: str | None = None
         try:
-            tenant = self._tenant(headers)
+            tenant = self._tenant(client)
             raw = await read_body(request, self.config.server.max_body_bytes)
             model = required_model(parse_body(raw))
             self._check_model(model)
@@ -457,7 +480,7 @@ class Gateway:
             self._rejected(e, request_id, tenant, started)
             raise
         dispatcher = FleetDispatcher(self.fleet, lambda _: 0)
-        fwd = Forward(path, raw, self._upstream_headers(headers, request_id), False, decision.ranked,
+        fwd = Forward(path, raw, self._upstream_headers(client, request_id), False, decision.ranked,
                       self.config.proxy.max_attempts)
         try:
             up = await self.proxy.forward(fwd, dispatcher)
@@ -474,8 +497,8 @@ class Gateway:
 
     async def explain(self, request: Request) -> dict[str, Any]:
         """Route a completions or chat body without sending it; the decision and the numbers behind it."""
-        headers = request.headers
-        tenant = self._tenant(headers)
+        client = ClientHeaders.of(request.scope)
+        tenant = self._tenant(client)
         body = parse_body(await read_body(request, self.config.server.max_body_bytes))
         model = required_model(body)
         self._check_model(model)
@@ -483,8 +506,8 @@ class Gateway:
         salt = cache_salt_for(tenant, client_salt(body))
         try:
             routed = await self.router.route(
-                endpoint, body, model=model, request_id=headers.get("x-request-id") or uuid.uuid4().hex,
-                session_id=headers.get("x-session-id"), tenant=tenant, cache_salt=salt, explain=True,
+                endpoint, body, model=model, request_id=client.request_id or uuid.uuid4().hex,
+                session_id=client.session_id, tenant=tenant, cache_salt=salt, explain=True,
             )
         except PromptError as e:
             raise ApiError(400, e.message, param=e.param, code="invalid_prompt") from e
