@@ -42,6 +42,9 @@ from rich.table import Table
 from loadgen.runner import RequestRecord
 
 CANDIDATE = "cost"
+TIE_TOLERANCE = 0.01
+"""Paired results within 1% of each other are a tie: e.g. two p99s both at the cold-prefill floor differ by a
+fraction of a millisecond of scheduling, which is no win."""
 TIMELINE_SAMPLES = 400
 
 
@@ -284,8 +287,9 @@ class PairedWins:
 
 def paired_wins(repeats: Sequence[dict[str, dict[str, Any]]], candidate: str = CANDIDATE,
                 metrics: Sequence[str] = PAIRED_METRICS) -> list[PairedWins]:
-    """For each baseline (every other run) and each of ``metrics``: in how many repeats the candidate was strictly
-    better (a tie is not a win), and the per-repeat ratios. Empty when the candidate never ran."""
+    """For each baseline (every other run) and each of ``metrics``: in how many repeats the candidate was better by
+    more than ``TIE_TOLERANCE`` (closer is a tie, not a win), and the per-repeat ratios. Empty when the candidate
+    never ran."""
     if not any(candidate in s for s in repeats):
         return []
     by_key = {m.key: m for m in METRICS}
@@ -302,7 +306,7 @@ def paired_wins(repeats: Sequence[dict[str, dict[str, Any]]], candidate: str = C
                 if _missing(mine) or _missing(theirs):
                     continue
                 ratios.append(mine / theirs if theirs else math.nan)
-                if mine == theirs:
+                if math.isclose(mine, theirs, rel_tol=TIE_TOLERANCE):
                     ties += 1
                 elif (mine < theirs) == (metric.better == "lower"):
                     wins += 1

@@ -127,3 +127,12 @@ def test_repeated_results_keep_every_repeat(tmp_path: Path) -> None:
     print_table("t", comparison.summaries, comparison.ratios, console, comparison.ranges, comparison.wins)
     text = console.export_text()
     assert "75.0 (50.0–100)" in text and "wins per repeat" in text
+
+
+def test_paired_results_within_one_percent_are_ties() -> None:
+    repeats = [
+        {"cost": {"engine_ttft_p99_ms": 184.9}, "round_robin": {"engine_ttft_p99_ms": 185.0}},  # both at a floor
+        {"cost": {"engine_ttft_p99_ms": 180.0}, "round_robin": {"engine_ttft_p99_ms": 185.0}},
+    ]
+    (p99,) = paired_wins(repeats, metrics=("engine_ttft_p99_ms",))
+    assert (p99.wins, p99.ties, p99.compared) == (1, 1, 2)
