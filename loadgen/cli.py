@@ -32,7 +32,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", required=True, choices=WORKLOADS)
     w.add_argument("--seed", type=int, default=0, help="same seed → identical requests (default 0)")
-    w.add_argument("--requests", type=int, help="at most this many requests (trace: the first N of the window)")
+    w.add_argument("--requests", type=int, help="at most this many requests (trace: the first N of the window; unique: exactly N, default 200)")
     w.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (multi-turn: sessions/s); 0 = all at once")
     w.add_argument("--output-tokens", type=int, default=64, help="max_tokens of synthetic requests (default 64)")
     w.add_argument("--tokenizer", type=Path, default=TOKENIZER_DIR, help="tokenizer directory (default: the shipped one)")

@@ -126,7 +126,7 @@ def documents(options: WorkloadOptions) -> list[Request]:
 def unique(options: WorkloadOptions) -> list[Request]:
     """No sharing at all: the control where cache-awareness must cost nothing. Completions endpoint."""
     b = _Builder("unique", options)
-    n = b.limit(200)
+    n = options.requests if options.requests is not None else 200  # no natural size: --requests sets it
     for i, t in enumerate(b.arrivals(n)):
         b.add_completion(t, b.words(f"prompt:{i}", options.prompt_tokens))
     return b.requests

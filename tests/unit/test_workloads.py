@@ -108,6 +108,11 @@ def test_unique_has_no_oracle_hits() -> None:
     assert all(r.oracle_hit_tokens == 0 for r in build_workload("unique", _opts()))
 
 
+def test_unique_size_is_set_by_requests() -> None:
+    assert len(build_workload("unique", _opts(requests=None))) == 200
+    assert len(build_workload("unique", _opts(requests=450, prompt_tokens=32))) == 450
+
+
 def test_rate_zero_sends_all_at_once() -> None:
     assert {r.arrival_s for r in build_workload("unique", _opts(rate=0))} == {0.0}
 
