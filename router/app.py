@@ -29,15 +29,20 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from cache_index.http_ingest import HttpIngestError, ingest_http
 from cache_index.index import PrefixIndex
 from cache_index.ingest import EventIngestor
-from cache_index.http_ingest import HttpIngestError, ingest_http
 from cache_index.subscriber import SubscriptionManager
 from policies.base import NoHealthyReplica
 from policies.config import ConfigError, KvgateConfig
-from policies.cost_model import CostModel
 from router.admin import build_admin_router
-from router.bodies import client_salt, parse_body, read_body, required_model, wants_stream
+from router.bodies import (
+    client_salt,
+    parse_body,
+    read_body,
+    required_model,
+    wants_stream,
+)
 from router.errors import ApiError, install_error_handlers
 from router.fleet import Fleet, FleetListener, Replica
 from router.logs import RequestLogger
@@ -68,8 +73,10 @@ from router.proxy import (
     usage_of_body,
 )
 from router.reload import ConfigHolder
-from router.routing import Endpoint, FleetDispatcher, PlannedWarmup, Routed, Router
+from router.routing import Endpoint, FleetDispatcher, Routed, Router
 from router.tenants import AuthError, TenantResolver, cache_salt_for
+from router.transfers import TransferRunner
+from router.warmups import WarmupRunner
 
 log = logging.getLogger("kvgate.app")
 
@@ -77,8 +84,6 @@ CALIBRATION_REFRESH_S = 1.0
 """How often calibrated prefill coefficients are refitted and swapped in."""
 CLIENT_CLOSED = "499"
 """Status recorded for requests whose client left before any answer (nginx's convention)."""
-REPLICATION_INTERVAL_S = 0.5
-"""How often hot prefixes are checked for a warm-up (and cooled ones retired)."""
 
 _encode = msgspec.json.Encoder().encode
 
@@ -156,8 +161,10 @@ class Gateway:
         self.holder.subscribe(self.apply_config)
         await self.fleet.start()
         await self.holder.start()
+        self.transfers = TransferRunner(self.proxy, self.metrics, self.holder)
+        self.warmups = WarmupRunner(self.router, self.fleet, self.proxy, self.transfers, self.metrics, self._spawn)
         self._spawn(self._calibration_loop())
-        self._spawn(self._replication_loop())
+        self._spawn(self.warmups.run())
 
     async def stop(self) -> None:
         await self.holder.stop()
@@ -219,54 +226,6 @@ class Gateway:
             await asyncio.sleep(CALIBRATION_REFRESH_S)
             self.router.refresh_calibration()
 
-    async def _replication_loop(self) -> None:
-        """Plan hot-prefix warm-ups and run each in the background (routing then spreads the prefix by itself)."""
-        while True:
-            await asyncio.sleep(REPLICATION_INTERVAL_S)
-            try:
-                planned, retired = self.router.plan_warmups()
-            except Exception:  # a planning bug must not end replication for good
-                log.exception("replication planning failed")
-                continue
-            for done in retired:
-                log.info("replication retired", extra={"fields": {
-                    "prefix": done.prefix_key, "replicas": sorted(done.replicas), "reason": done.reason}})
-            for item in planned:
-                self._spawn(self._warm(item))
-
-    async def _warm(self, item: PlannedWarmup) -> None:
-        """One warm-up: a prefill-only request of the prefix's tokens on the target, its KV pulled from the source
-        first when ``via`` is ``transfer`` (a failed first leg falls back to prefilling)."""
-        warmup, prompt = item.warmup, item.prompt
-        log.info("replication started", extra={"fields": {
-            "prefix": warmup.prefix_key, "tokens": warmup.prefix_tokens, "target": warmup.target, "via": warmup.via,
-            "source": warmup.source, "reason": warmup.reason, "saving_ms_per_s": round(warmup.saving_ms_per_s, 1)}})
-        body: dict[str, Any] = {"model": prompt.model, "prompt": prompt.token_ids.tolist(), "max_tokens": 1,
-                                "stream": False}
-        if prompt.cache_salt is not None:
-            body["cache_salt"] = prompt.cache_salt
-        headers = {"content-type": "application/json", "x-request-id": f"kvgate-warmup-{uuid.uuid4().hex}"}
-        dispatcher = FleetDispatcher(self.fleet, lambda name: warmup.prefix_tokens if name == warmup.target else 0)
-        transferred = False
-        if warmup.via == "transfer" and warmup.source is not None:
-            params = await self._first_leg("/v1/completions", body, headers, warmup.source, dispatcher)
-            if params is not None:
-                body["kv_transfer_params"] = params
-                transferred = True
-        ok = False
-        try:
-            up = await self.proxy.forward(Forward("/v1/completions", _encode(body), headers, False, [warmup.target], 1),
-                                          dispatcher)
-            up.ticket.finish(True)
-            ok = up.status == 200
-        except AttemptFailed as failed:
-            log.warning("warm-up of %s failed: %s", warmup.target, failed)
-        if transferred:
-            tokens = warmup.prefix_tokens
-            self._transfer_finished(item.routing.cost_model, tokens, tokens, 0, ok)
-        item.routing.hot.warmup_finished(warmup.prefix_key, warmup.target, ok)
-        self.metrics.warmup_tokens.inc(warmup.prefix_tokens if ok else 0)
-
     def _register_collectors(self) -> None:
         m = self.metrics
         m.add_collector(ReplicaStateCollector(lambda: list(self.fleet.replicas.values())))
@@ -308,6 +267,15 @@ class Gateway:
             out["authorization"] = authorization  # the engine's own key; with tenants on, the key is kvgate's
         return out
 
+    async def _read_request(self, request: Request) -> tuple[bytes, dict[str, Any], str]:
+        """The body as received and decoded, and its model: a body over ``server.max_body_bytes``, not a JSON object,
+        without a model, or naming a model no replica serves is an :class:`ApiError`."""
+        raw = await read_body(request, self.config.server.max_body_bytes)
+        body = parse_body(raw)
+        model = required_model(body)
+        self._check_model(model)
+        return raw, body, model
+
     def _check_model(self, model: str) -> None:
         if self.router.knows_model(model):
             return
@@ -323,11 +291,8 @@ class Gateway:
         tenant: str | None = None
         try:
             tenant = self._tenant(client)
-            raw = await read_body(request, self.config.server.max_body_bytes)
-            body = parse_body(raw)
-            model = required_model(body)
+            raw, body, model = await self._read_request(request)
             stream = wants_stream(body)
-            self._check_model(model)
             salt = client_salt(body)
             upstream_salt = cache_salt_for(tenant, salt)
             if upstream_salt != salt:
@@ -353,7 +318,7 @@ class Gateway:
         up_headers = self._upstream_headers(client, request_id)
         transferred = False
         if decision.action == "transfer" and decision.source:
-            raw, transferred = await self._transfer(path, body, raw, up_headers, routed, dispatcher)
+            raw, transferred = await self.transfers.pull(path, body, raw, up_headers, routed, dispatcher)
         self.router.dispatched(routed, decision.replica)
         fwd = Forward(path, raw, up_headers, stream, decision.ranked or [decision.replica],
                       self.config.proxy.max_attempts)
@@ -361,12 +326,12 @@ class Gateway:
             up = await self._forward_while_connected(request, fwd, dispatcher)
         except AttemptFailed as failed:
             if transferred:
-                self._transfer_finished_for(routed, ok=False)
+                self.transfers.finished_for(routed, ok=False)
             return self._failed(failed, routed, request_id, started)
         if up is None:
             return self._client_left(routed, request_id, started)
         if transferred:
-            self._transfer_finished_for(routed, ok=up.status == 200)
+            self.transfers.finished_for(routed, ok=up.status == 200)
         if up.replica != decision.replica:
             self.router.dispatched(routed, up.replica)
         out_headers = up.client_headers()
@@ -405,62 +370,6 @@ class Gateway:
         finally:
             watcher.cancel()
 
-    async def _transfer(
-        self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str], routed: Routed,
-        dispatcher: FleetDispatcher,
-    ) -> tuple[bytes, bool]:
-        """The destination's body and whether it carries the source's ``kv_transfer_params``: it does when the first
-        leg worked, else it is the original (the destination recomputes; the client never sees the handshake)."""
-        source = routed.decision.source
-        assert source is not None
-        params = await self._first_leg(path, body, headers, source, dispatcher)
-        if params is None:
-            log.warning("transfer from %s failed: recomputing on %s", source, routed.decision.replica)
-            return raw, False
-        return _encode({**body, "kv_transfer_params": params}), True
-
-    async def _first_leg(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], source: str, dispatcher: FleetDispatcher
-    ) -> dict[str, Any] | None:
-        """``proxy.prefill_for_transfer``, counted: a transfer started, and the leg's duration (a failed leg is a
-        fallback: the destination recomputes)."""
-        m = self.metrics
-        m.transfers["started"].inc()
-        began = time.monotonic()
-        params = await self.proxy.prefill_for_transfer(
-            path, body, headers, source, dispatcher, self.config.transfer.first_leg_timeout_s
-        )
-        m.transfer_seconds["fallback" if params is None else "completed"].observe(time.monotonic() - began)
-        if params is None:
-            m.transfers["fallback"].inc()
-        return params
-
-    def _transfer_finished_for(self, routed: Routed, *, ok: bool) -> None:
-        """:meth:`_transfer_finished` for a client request, from the index's matches at its decision."""
-        decision = routed.decision
-        assert decision.source is not None
-        room = max(routed.request.prompt_tokens - 1, 0)  # the destination always computes the last token itself
-        self._transfer_finished(
-            routed.routing.cost_model, routed.request.prompt_tokens,
-            min(routed.matched_tokens(decision.source), room), min(routed.matched_tokens(decision.replica), room), ok,
-        )
-
-    def _transfer_finished(
-        self, cost_model: CostModel, prompt_tokens: int, source_held: int, dest_held: int, ok: bool
-    ) -> None:
-        """The destination's answer to a request carrying pulled KV. Completed: the KV of every token it lacked
-        crossed the link (cost-model bytes), and the fleet skipped prefilling what the source held beyond it."""
-        m = self.metrics
-        if not ok:
-            m.transfers["failed"].inc()
-            return
-        m.transfers["completed"].inc()
-        m.transfer_bytes.inc((prompt_tokens - dest_held) * cost_model.kv_bytes_per_token)
-        saved_ms = prefill_avoided_ms(cost_model, prompt_tokens, source_held) - prefill_avoided_ms(
-            cost_model, prompt_tokens, dest_held
-        )
-        m.transfer_prefill_avoided.inc(max(0.0, saved_ms) / 1000.0)
-
     async def passthrough(self, request: Request, path: str) -> Response:
         """Requests with no prompt prefix to match (embeddings): least-loaded replica, body unchanged."""
         started = time.monotonic()
@@ -469,9 +378,7 @@ class Gateway:
         tenant: str | None = None
         try:
             tenant = self._tenant(client)
-            raw = await read_body(request, self.config.server.max_body_bytes)
-            model = required_model(parse_body(raw))
-            self._check_model(model)
+            raw, _, model = await self._read_request(request)
             try:
                 decision = self.router.route_passthrough(model)
             except NoHealthyReplica as e:
@@ -499,9 +406,7 @@ class Gateway:
         """Route a completions or chat body without sending it; the decision and the numbers behind it."""
         client = ClientHeaders.of(request.scope)
         tenant = self._tenant(client)
-        body = parse_body(await read_body(request, self.config.server.max_body_bytes))
-        model = required_model(body)
-        self._check_model(model)
+        _, body, model = await self._read_request(request)
         endpoint: Endpoint = "chat" if "messages" in body else "completions"
         salt = cache_salt_for(tenant, client_salt(body))
         try:
