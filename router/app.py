@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,7 @@ from router.bodies import (
     required_model,
     wants_stream,
 )
-from router.errors import ApiError, install_error_handlers
+from router.errors import ApiError, install_error_handlers, unexpected_error
 from router.fleet import Fleet, FleetListener, Replica
 from router.logs import RequestLogger
 from router.metrics import (
@@ -86,6 +87,14 @@ CLIENT_CLOSED = "499"
 """Status recorded for requests whose client left before any answer (nginx's convention)."""
 
 _encode = msgspec.json.Encoder().encode
+_REQUEST_ID_PREFIX = secrets.token_hex(10)
+_request_numbers = itertools.count()
+
+
+def new_request_id() -> str:
+    """An id for a request that came without ``X-Request-Id``: a random per-process prefix and a counter, 32 hex
+    characters like a UUID's and as unique across gateway replicas, without ``uuid4``'s system call per request."""
+    return f"{_REQUEST_ID_PREFIX}{next(_request_numbers):012x}"
 
 
 def json_response(content: object, status: int = 200) -> Response:
@@ -287,7 +296,7 @@ class Gateway:
         """Completions and chat completions: route on the prompt's cached prefix, proxy, stream back."""
         started = time.monotonic()
         client = ClientHeaders.of(request.scope)
-        request_id = client.request_id or uuid.uuid4().hex
+        request_id = client.request_id or new_request_id()
         tenant: str | None = None
         try:
             tenant = self._tenant(client)
@@ -374,7 +383,7 @@ class Gateway:
         """Requests with no prompt prefix to match (embeddings): least-loaded replica, body unchanged."""
         started = time.monotonic()
         client = ClientHeaders.of(request.scope)
-        request_id = client.request_id or uuid.uuid4().hex
+        request_id = client.request_id or new_request_id()
         tenant: str | None = None
         try:
             tenant = self._tenant(client)
@@ -411,7 +420,7 @@ class Gateway:
         salt = cache_salt_for(tenant, client_salt(body))
         try:
             routed = await self.router.route(
-                endpoint, body, model=model, request_id=client.request_id or uuid.uuid4().hex,
+                endpoint, body, model=model, request_id=client.request_id or new_request_id(),
                 session_id=client.session_id, tenant=tenant, cache_salt=salt, explain=True,
             )
         except PromptError as e:
@@ -533,12 +542,14 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 class ProxiedEndpoints:
-    """Pure ASGI middleware that serves the proxied endpoints' POSTs without FastAPI's routing.
+    """The ASGI app uvicorn serves: the proxied endpoints' POSTs go straight to their handlers, everything else
+    (other methods and paths, lifespan) to the FastAPI app it wraps.
 
-    Route matching, FastAPI's request wrapper and dependency solving, and the exception and exit-stack middlewares cost
-    ~5% of kvgate's CPU on a short request in a py-spy profile, for handlers that take a raw ``Request`` and need
-    none of it; an :class:`ApiError` is answered here the way the app's handler answers it. Anything else (other
-    methods, other paths) goes to FastAPI, and an unexpected exception still reaches the app's 500 handler.
+    FastAPI's per-request layers — its telemetry check, the error, exception-telemetry and body-limit middlewares,
+    route matching, the request wrapper and dependency solving — cost ~7% of kvgate's CPU on a short request in a
+    py-spy profile, for handlers that take a raw ``Request`` and need none of it. Errors are answered here as the
+    app's handlers answer them (:mod:`router.errors`): an :class:`ApiError` as itself, anything unexpected as a
+    logged 500 in OpenAI's format.
     """
 
     def __init__(self, app: ASGIApp, handlers: Mapping[str, Handler]) -> None:
@@ -554,10 +565,14 @@ class ProxiedEndpoints:
             response = await handler(Request(scope, receive))
         except ApiError as e:
             response = e.response()
+        except Exception as e:  # noqa: BLE001 - a bug must still get an answer, as the app's 500 handler gives
+            response = unexpected_error(e)
         await response(scope, receive, send)
 
 
-def create_app(holder: ConfigHolder) -> FastAPI:
+def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
+    """The gateway's ASGI app: :class:`ProxiedEndpoints` in front of the FastAPI app that serves everything else
+    (``.app``; its ``state.gateway`` is the :class:`Gateway`)."""
     gateway = Gateway(holder)
 
     @contextlib.asynccontextmanager
@@ -589,7 +604,6 @@ def create_app(holder: ConfigHolder) -> FastAPI:
     }
     for path, handler in proxied.items():  # FastAPI's routes answer these paths' other methods (405)
         app.add_api_route(path, handler, methods=["POST"])
-    app.add_middleware(ProxiedEndpoints, handlers=proxied)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -618,4 +632,4 @@ def create_app(holder: ConfigHolder) -> FastAPI:
     async def events(request: Request) -> Response:
         return json_response(await gateway.ingest_events(request))
 
-    return app
+    return ProxiedEndpoints(app, proxied)

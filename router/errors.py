@@ -85,9 +85,14 @@ async def _validation_error(_: Request, exc: Exception) -> Response:
     return ApiError(422, message, param=".".join(loc) or None, code="invalid_value").response()
 
 
-async def _unexpected_error(_: Request, exc: Exception) -> Response:
+def unexpected_error(exc: BaseException) -> Response:
+    """A bug on the request path: logged with its traceback, answered as an OpenAI-style 500."""
     log.exception("unhandled error on the request path", exc_info=exc)
     return ApiError(500, "internal error in kvgate", code="internal_error").response()
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> Response:
+    return unexpected_error(exc)
 
 
 def install_error_handlers(app: FastAPI) -> None:

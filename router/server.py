@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         http="httptools",
         lifespan="on",
         access_log=False,
+        proxy_headers=False,  # kvgate never reads the client address: skip rewriting it from X-Forwarded-For
         log_config=None,
         timeout_graceful_shutdown=server_cfg.shutdown_grace_s,
     )
