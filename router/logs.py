@@ -7,9 +7,12 @@ same JSON formatter so a deployment has one log format.
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
-from typing import Any
+import threading
+import time
+from typing import Any, TextIO
 
 import msgspec
 
@@ -36,8 +39,40 @@ class JsonFormatter(logging.Formatter):
         return _encoder.encode(line).decode()
 
 
+FLUSH_INTERVAL_S = 0.5
+"""Info lines reach stderr in batches at most this old (Envoy flushes its access logs every second)."""
+
+
+class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes records to a buffered stream and flushes it every ``FLUSH_INTERVAL_S`` from a daemon thread, and at
+    once for warnings and errors.
+
+    A ``StreamHandler`` on stderr costs a ``write`` system call per record, i.e. per request at info level; batching
+    makes it one per half second. The stream is flushed at exit (``logging.shutdown``), so only a process killed
+    outright loses its last half second of info lines.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        threading.Thread(target=self._flush_periodically, name="kvgate-log-flush", daemon=True).start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.stream.write(self.format(record) + self.terminator)
+            if record.levelno >= logging.WARNING:
+                self.flush()
+        except Exception:  # noqa: BLE001 - logging's own convention: report, never raise into the caller
+            self.handleError(record)
+
+    def _flush_periodically(self) -> None:
+        while True:
+            time.sleep(FLUSH_INTERVAL_S)
+            self.flush()
+
+
 def configure_logging(level: str = "info") -> None:
-    """Send every log record to stderr as JSON (idempotent: replaces the root handlers).
+    """Send every log record to stderr as JSON (idempotent: replaces the root handlers), in batches
+    (:class:`BatchedStreamHandler`).
 
     The JSON line has no thread, process or caller fields, so records skip collecting them (the logging HOWTO's
     "Optimization" switches): that halves the cost of the per-request line (14 -> 7 us)."""
@@ -45,7 +80,11 @@ def configure_logging(level: str = "info") -> None:
     logging.logProcesses = False
     logging.logMultiprocessing = False
     logging._srcfile = None  # no findCaller stack walk per record
-    handler = logging.StreamHandler(sys.stderr)
+    stderr = io.TextIOWrapper(
+        io.BufferedWriter(io.FileIO(sys.stderr.fileno(), "w", closefd=False), buffer_size=1 << 16),
+        encoding="utf-8", errors="backslashreplace",
+    )
+    handler = BatchedStreamHandler(stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

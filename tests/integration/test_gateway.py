@@ -115,6 +115,35 @@ def test_chat_non_streaming_through_kvgate(client: openai.OpenAI, sim: Sim) -> N
     assert seen and seen[0]["headers"]["x-session-id"] == "sess-1"
 
 
+def request_log_lines(gw: Gateway, request_id: str) -> list[dict]:
+    lines = [json.loads(line) for line in gw.process.output().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("logger") == "kvgate.requests" and line.get("id") == request_id]
+
+
+def test_each_request_writes_one_json_log_line(client: openai.OpenAI, gw: Gateway) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "log me " * 40}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Request-Id": "req-logged-1"},
+    )
+    usage = list(raw.parse())[-1].usage
+    assert usage is not None
+    (line,) = wait_until(lambda: request_log_lines(gw, "req-logged-1"), timeout=5.0)
+    assert line["level"] == "info" and line["status"] == "200" and line["stream"] is True
+    assert line["replica"] == raw.headers["x-kvgate-replica"] and line["decision"] == raw.headers["x-kvgate-decision"]
+    assert line["prompt_tokens"] == usage.prompt_tokens and line["cached_tokens"] == (
+        usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    )
+    assert line["ttft_ms"] > 0 and line["e2e_ms"] >= line["ttft_ms"] and line["attempts"] == 1
+
+
+def test_requests_without_an_id_get_distinct_ones(client: openai.OpenAI) -> None:
+    ids = {
+        client.completions.with_raw_response.create(model=MODEL, prompt="id please", max_tokens=1).headers["x-request-id"]
+        for _ in range(3)
+    }
+    assert len(ids) == 3 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
 def test_chat_streaming_through_kvgate(client: openai.OpenAI) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "stream to me"}], max_tokens=8, stream=True,
