@@ -36,9 +36,10 @@ class CostPolicy:
     at that replica while it runs (``interference_weight`` × :meth:`CostModel.interference_ms`): what the benchmark
     and the fleet's users feel is the mean TTFT over all requests, not this one's alone. Without it, a request
     whose holder is briefly busy recomputes a long prefix on an idle replica to save itself a few milliseconds and
-    holds up that replica's next arrivals for far longer. Pick the minimum. A transfer from a routable source never beats routing to that source (its first leg waits in
-    the same queue); it wins when the warm replica takes no new requests — a drained replica's long prefix is
-    pulled instead of recomputed — and loses to recompute for short prefixes, where link setup dominates.
+    holds up that replica's next arrivals for far longer. Pick the minimum. A transfer from a routable source never
+    beats routing to that source (its first leg waits in the same queue); it wins when the warm replica takes no new
+    requests — a drained replica's long prefix is pulled instead of recomputed — and loses to recompute for short
+    prefixes, where link setup dominates.
 
     Near-ties — candidates within ``max(tie_margin × best, tie_margin_ms)`` of the best — go to the one that spends
     the least prefill (most of the prompt cached), then the least-loaded one, a plain route before a transfer, then
@@ -170,8 +171,11 @@ class CostPolicy:
     ) -> str:
         if chosen.transfer is not None:
             return "transfer"
-        if chosen.view.last_session_match and chosen.ttft_ms > min(c.ttft_ms for c in candidates) + margin:
-            return "session"
+        if chosen.view.last_session_match:
+            unhinted = chosen.score_ms + self.config.session_bonus_ms
+            others = [c.score_ms for c in candidates if c is not chosen]
+            if others and unhinted > min(others) + margin:
+                return "session"  # without its bonus, another candidate would have won
         cached = estimates[chosen.view.name].cached_tokens
         if cached > 0:
             return "warm"

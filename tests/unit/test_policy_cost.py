@@ -91,6 +91,14 @@ def test_cold_prompts_go_where_they_hold_up_the_fewest_arrivals() -> None:
         assert (decision.replica, decision.reason) == ("r1", "cold")
 
 
+def test_session_reason_only_when_the_bonus_made_the_choice() -> None:
+    # "hinted" is 37.5 ms slower to first token, but "busy" takes 5 requests/s: recomputing 4,000 tokens there would
+    # hold them up by ~64 ms. "hinted" wins on that, not on its 10 ms session bonus, so its reason is its cache state.
+    p = policy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=10))
+    fleet = [view("hinted", queued=1, queued_tokens=500, last_session_match=True), view("busy", arrival_rate_per_s=5.0)]
+    assert (p.decide(request(4000), fleet).replica, p.decide(request(4000), fleet).reason) == ("hinted", "cold")
+
+
 def test_short_prefix_goes_warm_only_while_queue_is_tiny() -> None:
     # 500 cached tokens save 17.5 ms: one queued request (20 ms fixed) already costs more.
     p = policy(EXACT)
