@@ -58,6 +58,7 @@ async def test_token_required(admin) -> None:  # type: ignore[no-untyped-def]
     assert resp.status_code == 200
     (a,) = resp.json()["data"]
     assert a["name"] == "a" and a["healthy"] is False and a["breaker"] == "closed"
+    assert (a["in_flight"], a["in_flight_prefilling"], a["in_flight_prefill_tokens"], a["arrival_rate_per_s"]) == (0, 0, 0, 0)
 
 
 async def test_admin_off_without_token_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
