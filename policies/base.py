@@ -55,7 +55,8 @@ class ReplicaView:
     """In-flight requests that have not produced a first token yet (the ones ``in_flight_prefill_tokens`` sums)."""
     arrival_rate_per_s: float = 0.0
     """Requests per second the router sent here lately (decayed): how many requests a long prefill started now would
-    hold up behind it. This gateway's own dispatches only: behind several gateway replicas each sees its share."""
+    hold up behind it. The larger of this gateway's own dispatch rate and the engine's scraped finish rate, which
+    counts the work other gateway replicas and direct callers send it."""
     scraped_waiting: int | None = None
     """Engine-reported waiting queue (``vllm:num_requests_waiting``); None when unknown or stale."""
     scraped_running: int | None = None

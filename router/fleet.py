@@ -51,6 +51,8 @@ class Replica:
         self.in_flight_prefilling = 0
         self.arrivals = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S)
         """Requests the router dispatched here lately (every attempt, warm-ups and transfer legs included)."""
+        self.engine_finishes = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S)
+        """Requests the engine finished lately, whoever sent them (its scraped counter, differenced)."""
         self.scraped: ScrapedLoad | None = None
         self.served_models: list[dict[str, Any]] = []
         self.generation = 0
@@ -66,6 +68,22 @@ class Replica:
 
     def routable(self) -> bool:
         return self.healthy and not self.draining and self.breaker.allow()
+
+    def arrival_rate_per_s(self, now: float) -> float:
+        """Requests per second arriving here: this router's own dispatches, or the engine's finish rate when that is
+        higher (other gateway replicas and direct callers send it work too; in a steady state finishes match
+        arrivals)."""
+        return max(self.arrivals.per_s(now), self.engine_finishes.per_s(now))
+
+    def record_scrape(self, load: ScrapedLoad) -> None:
+        """Keep the newest scrape; count the requests the engine finished since the previous one. A counter that went
+        down means the engine restarted: that interval counts nothing."""
+        previous = self.scraped
+        self.scraped = load
+        if previous is not None and previous.finished is not None and load.finished is not None:
+            finished = load.finished - previous.finished
+            if finished > 0:
+                self.engine_finishes.add(load.at, finished)
 
     def can_source(self) -> bool:
         """Can serve a transfer's prefill-only first leg: the engine passes health checks and real requests are not
@@ -180,7 +198,7 @@ class Fleet:
             in_flight=r.in_flight,
             in_flight_prefill_tokens=r.in_flight_prefill_tokens,
             in_flight_prefilling=r.in_flight_prefilling,
-            arrival_rate_per_s=r.arrivals.per_s(self.clock()),
+            arrival_rate_per_s=r.arrival_rate_per_s(self.clock()),
             scraped_waiting=None if scraped is None else scraped.waiting,
             scraped_running=None if scraped is None else scraped.running,
             kv_usage=None if scraped is None else scraped.kv_usage,
@@ -339,7 +357,7 @@ class Fleet:
         timeout = min(SCRAPE_TIMEOUT_CAP_S, self.config.scrape.stale_after_ms / 2000.0)
         load = await scrape_metrics(self.session, replica.url, timeout, self.clock)
         if load is not None:
-            replica.scraped = load
+            replica.record_scrape(load)
 
     async def _check_health(self, replica: Replica) -> None:
         health = self.config.health

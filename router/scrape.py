@@ -26,10 +26,12 @@ log = logging.getLogger(__name__)
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage")
+FINISHED = ("vllm:request_success_total", "sglang:num_requests_total")
+"""Requests the engine finished, all callers: differenced between scrapes, the engine's own request rate."""
 VLLM_CACHE_INFO = "vllm:cache_config_info"
 SGLANG_PAGE_SIZE = "sglang:page_size"
 
-WANTED_FAMILIES = frozenset((*WAITING, *RUNNING, *KV_USAGE, VLLM_CACHE_INFO, SGLANG_PAGE_SIZE))
+WANTED_FAMILIES = frozenset((*WAITING, *RUNNING, *KV_USAGE, *FINISHED, VLLM_CACHE_INFO, SGLANG_PAGE_SIZE))
 METRICS_PATH = "/metrics?" + urlencode([("name[]", n) for n in sorted(WANTED_FAMILIES)])
 """prometheus_client's exposition (vLLM's and SGLang's /metrics) renders only the ``name[]`` families asked for, so the
 engine does not build ~100 KiB of histograms ten times a second; engines that ignore it send everything, which the
@@ -56,6 +58,8 @@ class ScrapedLoad:
     block_size: int | None = None
     """Engine KV block (SGLang: page) size, when the engine reports it."""
     num_gpu_blocks: int | None = None
+    finished: float | None = None
+    """Requests the engine has finished since it started (a counter: it restarts from 0 with the engine)."""
 
 
 def _wanted_lines(text: str) -> list[str]:
@@ -102,6 +106,8 @@ def parse_metrics(text: str, at: float) -> ScrapedLoad:
     counts: dict[str, int] = {}
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    finished: float | None = None
+    """Requests the engine has finished since it started (a counter: it restarts from 0 with the engine)."""
     for line in _wanted_lines(text):
         for name, labels, value in _parse_sample_line(line):
             if name == VLLM_CACHE_INFO:
@@ -122,6 +128,7 @@ def parse_metrics(text: str, at: float) -> ScrapedLoad:
         kv_usage=None if usage_name is None else sums[usage_name] / counts[usage_name],
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
+        finished=_first(sums, FINISHED),
     )
 
 

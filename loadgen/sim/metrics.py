@@ -51,6 +51,10 @@ class ReplicaCollector:
                       s.external_prefix_cache_hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+        finished = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                       labels=[*labels, "finished_reason"])
+        finished.add_metric([*values, "length"], s.requests_completed)  # the sim stops only at max_tokens
+        yield finished
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             labels=["block_size", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching",

@@ -107,6 +107,8 @@ def test_repeated_prompt_is_cached_and_faster(client: openai.OpenAI, sim: Sim) -
     metrics = httpx.get(sim.url(0) + "/metrics").text
     hits = next(line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
     assert float(hits.rsplit(" ", 1)[1]) >= cached
+    finished = next(line for line in metrics.splitlines() if line.startswith("vllm:request_success_total"))
+    assert 'finished_reason="length"' in finished and float(finished.rsplit(" ", 1)[1]) >= 2
 
 
 def test_cache_salt_separates_prefixes(client: openai.OpenAI) -> None:

@@ -96,6 +96,25 @@ async def test_failed_tickets_open_the_breaker(session: aiohttp.ClientSession) -
     assert fleet.routable() == []
 
 
+async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter(session: aiohttp.ClientSession) -> None:
+    clock = FakeClock()
+    fleet = Fleet(config("a"), session, clock=clock)
+    r = fleet.replicas["a"]
+    r.healthy = True
+    for _ in range(100):  # this gateway sends 1 request/s; the engine finishes 4/s (three other callers)
+        fleet.dispatch("a", 10).finish(ok=True)
+        r.record_scrape(ScrapedLoad(at=clock.now, finished=4.0 * clock.now))
+        clock.now += 1.0
+    assert fleet.view("a", PrefixMatch()).arrival_rate_per_s == pytest.approx(4.0, rel=0.1)
+    r.record_scrape(ScrapedLoad(at=clock.now, finished=2.0))  # counter went down: the engine restarted
+    assert r.arrival_rate_per_s(clock.now) == pytest.approx(4.0 * 0.5 ** (1 / 10), rel=0.1)  # nothing added
+    quiet = Fleet(config("b"), session, clock=clock)
+    for _ in range(120):  # no scrape counter (an engine without it): the gateway's own rate
+        quiet.dispatch("b", 10).finish(ok=True)
+        clock.now += 0.5
+    assert quiet.view("b", PrefixMatch()).arrival_rate_per_s == pytest.approx(2.0, rel=0.15)
+
+
 async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> None:
     clock = FakeClock()
     fleet = Fleet(config("a", extra="scrape: {stale_after_ms: 500}\n"), session, clock=clock)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from router.scrape import METRICS_PATH, NO_COMPRESSION, parse_metrics, scrape_metrics
 
@@ -34,6 +34,12 @@ vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct
 # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
 # TYPE vllm:prefix_cache_queries_total counter
 vllm:prefix_cache_queries_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 918234.0
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="meta-llama/Llama-3.1-8B-Instruct"} 700.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="meta-llama/Llama-3.1-8B-Instruct"} 41.0
+vllm:request_success_total{engine="1",finished_reason="stop",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
+vllm:request_success_created{engine="0",finished_reason="stop",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7e9
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="27910",prefix_caching_hash_algo="sha256"} 1.0
@@ -59,6 +65,9 @@ sglang:token_usage{engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",
 # HELP sglang:cache_hit_rate The prefix cache hit rate.
 # TYPE sglang:cache_hit_rate gauge
 sglang:cache_hit_rate{engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 0.61
+# HELP sglang:num_requests_total The number of processed requests.
+# TYPE sglang:num_requests_total counter
+sglang:num_requests_total{engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 1234.0
 # HELP sglang:page_size The page size.
 # TYPE sglang:page_size gauge
 sglang:page_size{engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"} 32.0
@@ -71,6 +80,7 @@ def test_vllm_sums_engines_and_reads_cache_config() -> None:
     assert (load.waiting, load.running) == (5, 21)  # waiting_by_reason is not double counted
     assert load.kv_usage == pytest.approx(0.375)
     assert (load.block_size, load.num_gpu_blocks) == (16, 27910)
+    assert load.finished == 841.0  # every engine and finish reason; the _created sample is not a count
 
 
 def test_sglang_names() -> None:
@@ -78,11 +88,12 @@ def test_sglang_names() -> None:
     assert (load.waiting, load.running, load.block_size) == (2, 6, 32)
     assert load.kv_usage == pytest.approx(0.42)
     assert load.num_gpu_blocks is None
+    assert load.finished == 1234.0
 
 
 def test_page_without_engine_metrics_gives_unknowns() -> None:
     load = parse_metrics("# TYPE up gauge\nup 1\n", at=1.0)
-    assert (load.waiting, load.running, load.kv_usage, load.block_size) == (None, None, None, None)
+    assert (load.waiting, load.running, load.kv_usage, load.block_size, load.finished) == (None,) * 5
 
 
 def test_metrics_without_help_lines_and_cache_info_with_odd_labels() -> None:
@@ -118,6 +129,7 @@ def prometheus_engine() -> Iterator[str]:
     Gauge("vllm:num_requests_running", "r", labels, registry=registry).labels("0", "m").set(2)
     Gauge("vllm:kv_cache_usage_perc", "u", labels, registry=registry).labels("0", "m").set(0.5)
     Gauge("vllm:cache_config_info", "i", ["block_size", "num_gpu_blocks"], registry=registry).labels("16", "900").set(1)
+    Counter("vllm:request_success", "s", [*labels, "finished_reason"], registry=registry).labels("0", "m", "stop").inc(3)
     ttft = Histogram("vllm:time_to_first_token_seconds", "t", labels, registry=registry)
     ttft.labels("0", "m").observe(0.2)
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
@@ -135,7 +147,7 @@ async def test_scrape_against_prometheus_exposition_with_a_passthrough_session(p
         load = await scrape_metrics(session, prometheus_engine, 2.0, clock=lambda: 7.0)
         assert load is not None
         assert (load.at, load.waiting, load.running, load.kv_usage) == (7.0, 6, 2, 0.5)
-        assert (load.block_size, load.num_gpu_blocks) == (16, 900)
+        assert (load.block_size, load.num_gpu_blocks, load.finished) == (16, 900, 3.0)
         async with session.get(prometheus_engine + METRICS_PATH, headers=NO_COMPRESSION) as resp:
             body = await resp.text()
         assert "vllm:num_requests_waiting" in body and "time_to_first_token" not in body  # rendered server-side
