@@ -188,7 +188,8 @@ class Fleet:
 
     def view(self, name: str, match: PrefixMatch, *, session_match: bool = False) -> ReplicaView:
         r = self.replicas[name]
-        scraped = self.fresh_scrape(r)
+        now = self.clock()
+        scraped = self.fresh_scrape(r, now)
         return ReplicaView(
             name=r.name,
             healthy=r.routable(),
@@ -198,19 +199,19 @@ class Fleet:
             in_flight=r.in_flight,
             in_flight_prefill_tokens=r.in_flight_prefill_tokens,
             in_flight_prefilling=r.in_flight_prefilling,
-            arrival_rate_per_s=r.arrival_rate_per_s(self.clock()),
+            arrival_rate_per_s=r.arrival_rate_per_s(now),
             scraped_waiting=None if scraped is None else scraped.waiting,
             scraped_running=None if scraped is None else scraped.running,
             kv_usage=None if scraped is None else scraped.kv_usage,
             generation=r.generation,
-            labels=dict(r.config.labels),
+            labels=r.config.labels,
             last_session_match=session_match,
         )
 
-    def fresh_scrape(self, replica: Replica) -> ScrapedLoad | None:
+    def fresh_scrape(self, replica: Replica, now: float | None = None) -> ScrapedLoad | None:
         """The replica's scraped numbers, or None when there are none younger than ``scrape.stale_after_ms``."""
         s = replica.scraped
-        if s is None or (self.clock() - s.at) * 1000.0 > self.config.scrape.stale_after_ms:
+        if s is None or ((self.clock() if now is None else now) - s.at) * 1000.0 > self.config.scrape.stale_after_ms:
             return None
         return s
 
