@@ -14,7 +14,9 @@ subscriptions), which is not part of the per-request numbers' story but is spent
 
 ``--compare-tree DIR`` adds a second kvgate run from another source tree (e.g. ``git worktree add /tmp/old HEAD~3``),
 so a change is measured against its predecessor side by side in one run on this noisy machine.
-Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick] [--compare-tree DIR]``.
+``--rounds N`` runs every target N times per scenario in a rotated order and reports medians, plus kvgate's CPU per
+request above the bare proxy paired round by round: single runs on a shared 2-core machine vary by ~0.2 ms.
+Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick] [--rounds N] [--chars 2000] [--compare-tree DIR]``.
 """
 
 
@@ -271,20 +273,35 @@ async def main_async(args: argparse.Namespace) -> None:
                       f"{'req/s':>8}{'cpu/req ms':>11}{'ttft ms':>9}{'max gap':>8}{'err':>5}")
             print(header)
             for chars, stream, concurrency, n in scenarios:
+                if args.chars and chars not in args.chars:
+                    continue
                 document = make_document(chars)
-                results: dict[str, Result] = {}
-                for target in targets:
-                    results[target.name] = await drive(target, document, stream, concurrency, max(20, int(n * scale)))
-                direct = statistics.median(results["direct"].latencies_ms)
-                for name, r in results.items():
-                    done = len(r.latencies_ms)
-                    p50 = statistics.median(r.latencies_ms) if done else float("nan")
-                    cpu_req = r.cpu_s / done * 1000.0 if done and name != "direct" else float("nan")
-                    ttft = statistics.median(r.ttfts_ms) if stream and done else float("nan")
+                rounds: dict[str, list[Result]] = {t.name: [] for t in targets}
+                for k in range(args.rounds):  # each round runs every target, starting one later each time
+                    for target in targets[k % len(targets):] + targets[: k % len(targets)]:
+                        rounds[target.name].append(
+                            await drive(target, document, stream, concurrency, max(20, int(n * scale)))
+                        )
+                direct = statistics.median(lat for r in rounds["direct"] for lat in r.latencies_ms)
+                cpu: dict[str, list[float]] = {}
+                for name, results in rounds.items():
+                    latencies = [lat for r in results for lat in r.latencies_ms]
+                    done = len(latencies)
+                    p50 = statistics.median(latencies) if done else float("nan")
+                    cpu[name] = [r.cpu_s / len(r.latencies_ms) * 1000.0 for r in results if r.latencies_ms]
+                    cpu_req = statistics.median(cpu[name]) if cpu[name] and name != "direct" else float("nan")
+                    rate = statistics.median(len(r.latencies_ms) / r.wall_s for r in results)
+                    ttfts = [t for r in results for t in r.ttfts_ms]
+                    ttft = statistics.median(ttfts) if stream and done else float("nan")
+                    gap = max(r.max_gap_ms for r in results)
                     print(f"{chars:>7} {str(stream):>6} {concurrency:>4}  {name:<15}{p50:>8.2f}"
-                          f"{percentile(r.latencies_ms, 0.99):>8.2f}{p50 - direct:>8.2f}{done / r.wall_s:>8.0f}"
-                          f"{cpu_req:>11.3f}{ttft:>9.2f}{r.max_gap_ms if stream else float('nan'):>8.1f}"
-                          f"{r.errors:>5}")
+                          f"{percentile(latencies, 0.99):>8.2f}{p50 - direct:>8.2f}{rate:>8.0f}"
+                          f"{cpu_req:>11.3f}{ttft:>9.2f}{gap if stream else float('nan'):>8.1f}"
+                          f"{sum(r.errors for r in results):>5}")
+                if args.rounds > 1 and cpu.get("kvgate") and cpu.get("bare-proxy"):
+                    diffs = sorted(k - b for k, b in zip(cpu["kvgate"], cpu["bare-proxy"]))
+                    print(f"{'':>21}kvgate - bare-proxy CPU per request, paired by round: median "
+                          f"{statistics.median(diffs):.3f} ms (range {diffs[0]:.3f} to {diffs[-1]:.3f})")
                 print()
         finally:
             for target in targets:
@@ -301,6 +318,11 @@ def main() -> None:
     bare.add_argument("--upstream", required=True)
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests per scenario")
     parser.add_argument("--no-sglang", action="store_true", help="skip the SGLang gateway even when installed")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every target this many times per scenario, in a rotated order each round; report "
+                             "medians and kvgate's CPU per request above the bare proxy, paired by round")
+    parser.add_argument("--chars", type=int, action="append", choices=(2_000, 100_000),
+                        help="only scenarios with this prompt size (repeatable)")
     parser.add_argument("--compare-tree", type=Path, default=None,
                         help="also run kvgate from this source tree (e.g. a git worktree of an older commit)")
     args = parser.parse_args()
