@@ -67,7 +67,10 @@ class BatchedStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def _flush_periodically(self) -> None:
         while True:
             time.sleep(FLUSH_INTERVAL_S)
-            self.flush()
+            try:
+                self.flush()
+            except (OSError, ValueError):  # stderr closed or gone (shutdown, a dead pipe): nothing left to flush to
+                return
 
 
 def configure_logging(level: str = "info") -> None:
