@@ -37,13 +37,7 @@ from cache_index.subscriber import SubscriptionManager
 from policies.base import NoHealthyReplica
 from policies.config import ConfigError, KvgateConfig
 from router.admin import build_admin_router
-from router.bodies import (
-    client_salt,
-    parse_body,
-    read_body,
-    required_model,
-    wants_stream,
-)
+from router.bodies import client_salt, parse_body, read_body, required_model, wants_stream
 from router.errors import ApiError, install_error_handlers, unexpected_error
 from router.fleet import Fleet, FleetListener, Replica
 from router.logs import RequestLogger
@@ -120,7 +114,6 @@ class ClientHeaders:
             if name in _CLIENT_HEADERS and name not in found:
                 found[name] = value.decode("latin-1")
         return cls(found.get(b"x-request-id"), found.get(b"x-session-id"), found.get(b"authorization"))
-
 
 
 class IndexFeed(FleetListener):
