@@ -1,14 +1,15 @@
 # kvgate: a slim, non-root image running `kvgate serve`.
 #   docker build -t kvgate .
 #   docker run -p 8000:8000 -v $PWD/policy.yaml:/etc/kvgate/policy.yaml kvgate
-# The policy file lists the engine replicas (url, kv_events, kv_replay) — see README "Policy file".
+# The policy file lists the engine replicas (url, kv_events, kv_replay): docs/configuration.md.
+# Only the gateway's folders are copied, so the wheel built here has no simulated fleet, load generator or
+# benchmarks (setup.py packages the folders present) and no dependency of theirs (they are extras).
 FROM python:3.11-slim AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY router ./router
 COPY cache_index ./cache_index
 COPY policies ./policies
-COPY loadgen ./loadgen
 RUN pip install --no-cache-dir --prefix=/install .
 
 FROM python:3.11-slim

@@ -2,6 +2,7 @@
 # kvgate developer entry point; installs itself into ./.venv on first use.
 #   ./dev.sh demo    kvgate on 127.0.0.1:8000 in front of a 4-replica simulated fleet (Ctrl-C stops both)
 #   ./dev.sh test    the whole test suite
+#   ./dev.sh test-engines   the real-engine suite (tests/engines): real vLLM replicas from their own environment
 #   ./dev.sh kvgate ARGS...   any kvgate command from the virtual environment
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -18,6 +19,7 @@ cmd=${1:-help}; shift || true
 case "$cmd" in
   demo) exec "$VENV/bin/kvgate" demo "$@" ;;
   test) exec "$VENV/bin/python" -m pytest "$@" ;;
+  test-engines) scripts/engines_env.sh >/dev/null && exec "$VENV/bin/python" -m pytest tests/engines "$@" ;;
   kvgate) exec "$VENV/bin/kvgate" "$@" ;;
-  *) sed -n '2,5p' "$0"; exit 2 ;;
+  *) sed -n '2,6p' "$0"; exit 2 ;;
 esac

@@ -12,10 +12,12 @@ count), and for streams the median TTFT and the largest gap between chunks (a Na
 ~40 ms). First, each target's idle CPU (ms per second with no traffic: health checks, /metrics scrapes, KV-event
 subscriptions), which is not part of the per-request numbers' story but is spent all the same.
 
-``--compare-tree DIR`` adds a second kvgate run from another source tree (e.g. ``git worktree add /tmp/old HEAD~3``),
-so a change is measured against its predecessor side by side in one run on this noisy machine.
+``--compare-tree DIR`` adds a second kvgate run from another source tree, from that tree's own ``.venv`` (e.g.
+``git worktree add /tmp/old HEAD~3`` and ``/tmp/old/dev.sh kvgate --help`` once to make it), so a change is measured
+against its predecessor side by side in one run on a noisy machine.
 ``--rounds N`` runs every target N times per scenario in a rotated order and reports medians, plus kvgate's CPU per
-request above the bare proxy paired round by round: single runs on a shared 2-core machine vary by ~0.2 ms.
+request above the bare proxy (and above the ``--compare-tree`` kvgate) paired round by round: single runs on a shared
+2-core machine vary by ~0.2 ms.
 Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick] [--rounds N] [--chars 2000] [--compare-tree DIR]``.
 """
 
@@ -36,7 +38,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loadgen.bench import free_port_block  # noqa: E402
+from kvgate.loadgen.bench import free_port_block  # noqa: E402
 from tests.support import KVGATE, ManagedProcess  # noqa: E402
 
 MODEL = "kvgate-sim"
@@ -132,10 +134,9 @@ def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tu
 
     if compare_tree is not None:
         old_port = free_port_block(1)
-        # `-c` puts the other tree first on sys.path, so its router/, policies/... are the ones imported.
-        launch = (f"import sys; sys.path.insert(0, {str(compare_tree)!r}); from router.cli import main; "
-                  f"sys.exit(main(['serve', '--config', {str(fleet)!r}, '--port', '{old_port}']))")
-        old = ManagedProcess([sys.executable, "-c", launch], tmp / "kvgate-compare.log").start()
+        # The other tree runs from its own environment (`./dev.sh` there makes it), whatever its import layout.
+        old = ManagedProcess([str(compare_tree / ".venv" / "bin" / "kvgate"), "serve", "--config", str(fleet),
+                              "--port", str(old_port)], tmp / "kvgate-compare.log").start()
         targets.append(Target(f"kvgate@{compare_tree.name}", f"http://127.0.0.1:{old_port}", old))
 
     if with_sglang:
@@ -302,6 +303,11 @@ async def main_async(args: argparse.Namespace) -> None:
                     diffs = sorted(k - b for k, b in zip(cpu["kvgate"], cpu["bare-proxy"]))
                     print(f"{'':>21}kvgate - bare-proxy CPU per request, paired by round: median "
                           f"{statistics.median(diffs):.3f} ms (range {diffs[0]:.3f} to {diffs[-1]:.3f})")
+                compared = [name for name in cpu if name.startswith("kvgate@")]
+                if args.rounds > 1 and compared and cpu.get("kvgate") and cpu.get(compared[0]):
+                    diffs = sorted(k - o for k, o in zip(cpu["kvgate"], cpu[compared[0]]))
+                    print(f"{'':>21}kvgate - {compared[0]} CPU per request, paired by round: median "
+                          f"{statistics.median(diffs):.3f} ms (range {diffs[0]:.3f} to {diffs[-1]:.3f})")
                 print()
         finally:
             for target in targets:
@@ -324,7 +330,7 @@ def main() -> None:
     parser.add_argument("--chars", type=int, action="append", choices=(2_000, 100_000),
                         help="only scenarios with this prompt size (repeatable)")
     parser.add_argument("--compare-tree", type=Path, default=None,
-                        help="also run kvgate from this source tree (e.g. a git worktree of an older commit)")
+                        help="also run kvgate from this source tree's .venv (e.g. a git worktree of an older commit)")
     args = parser.parse_args()
     if args.mode == "bare-proxy":
         run_bare_proxy(args.port, args.upstream)

@@ -19,7 +19,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loadgen.bench import free_port_block  # noqa: E402
+from kvgate.loadgen.bench import free_port_block  # noqa: E402
 from tests.support import KVGATE, ManagedProcess  # noqa: E402
 
 

@@ -1,9 +1,10 @@
 """Prompt tokenization cost: 2,000- and 40,000-token chat prompts cold and warm, and a warm 100k-character growing chat.
 
 Prints CPU ms (process-wide ``time.process_time``, so worker threads count) and wall ms per prompt, the median of
-several runs, for kvgate's cached path (:class:`router.prompts.PromptTokenizer`) side by side with a plain full encode
-(:meth:`router.tokenization.ModelTokenizer.encode_chat`). Cold prompts use text never seen before; warm prompts were
-tokenized once already; the growing chat adds one message per turn and is measured once it passes 100k characters.
+several runs, for kvgate's cached path (:class:`router.prompts.tokenizer.PromptTokenizer`) side by side with a plain
+full encode (:meth:`router.prompts.model_tokenizer.ModelTokenizer.encode_chat`). Cold prompts use text never seen
+before; warm prompts were tokenized once already; the growing chat adds one message per turn and is measured once it
+passes 100k characters.
 
 Run: ``.venv/bin/python benchmarks/bench_tokenize.py``
 """
@@ -16,10 +17,10 @@ import statistics
 import time
 from typing import Any, Awaitable, Callable
 
-from loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
-from policies.config import ModelConfig
-from router.prompts import PromptTokenizer
-from router.tokenization import ModelTokenizer
+from kvgate.loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
+from kvgate.policies.config import ModelConfig
+from kvgate.router.prompts.model_tokenizer import ModelTokenizer
+from kvgate.router.prompts.tokenizer import PromptTokenizer
 
 WORDS = ("the of and to in is was for on that with as by at from it an be this which or are not have had but were "
          "cache prefix replica router token block engine request latency model prompt document section table query "

@@ -10,12 +10,13 @@ from __future__ import annotations
 import random
 import time
 
-from cache_index.match import PrefixMatch
-from policies.base import Policy, ReplicaView, RouteRequest
-from policies.calibration import Calibrator
-from policies.config import CalibrationConfig, KvgateConfig, TransferConfig
-from policies.cost_model import CostModel
-from policies.registry import POLICY_NAMES, create_policy
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.policies.base import Policy, ReplicaView, RouteRequest
+from kvgate.policies.calibration import Calibrator
+from kvgate.policies.config import CalibrationConfig, TransferConfig
+from kvgate.policies.cost_model import CostModel
+from kvgate.policies.registry import POLICY_NAMES, create_policy
+from kvgate.router.config import KvgateConfig
 
 REQUEST = RouteRequest(request_id="bench", model="m", prompt_tokens=12_000, block_size=16)
 
@@ -51,14 +52,14 @@ def per_call_us(policy: Policy, views: list[ReplicaView], calls: int) -> float:
 
 def main() -> None:
     config = KvgateConfig()
-    base = CostModel.from_config(config)
+    base = CostModel.from_config(config.model_or_first(None), config.policy, config.transfer)
     nixl = CostModel(base.prefill, base.tier_load_ms_per_token, TransferConfig(connector="nixl"), base.kv_bytes_per_token)
     rng = random.Random(0)
     print(f"{'replicas':>8} " + " ".join(f"{name:>16}" for name in (*POLICY_NAMES, "cost+nixl")) + "   (us per decision)")
     for size in (4, 16, 64):
         views = fleet(size, rng)
-        policies = [create_policy(name, config, base, random.Random(1)) for name in POLICY_NAMES]
-        policies.append(create_policy("cost", config, nixl, random.Random(1)))
+        policies = [create_policy(name, config.policy, base, random.Random(1)) for name in POLICY_NAMES]
+        policies.append(create_policy("cost", config.policy, nixl, random.Random(1)))
         times = [per_call_us(p, views, 20_000 // size) for p in policies]
         print(f"{size:>8} " + " ".join(f"{t:>16.1f}" for t in times))
 

@@ -10,7 +10,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.scrape import parse_metrics
+from kvgate.router.upstream.scrape import parse_metrics
 
 MODEL = 'model_name="meta-llama/Llama-3.1-8B-Instruct"'
 BUCKETS = ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75", "1.0", "2.5",

@@ -228,7 +228,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     """Decode one msgpack ``KVEventBatch`` payload as published on ZMQ."""
     try:
         typed = _typed_decode(payload)
-    except (msgspec.DecodeError, ValueError, TypeError):
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         pass  # array events, bytes hashes, unknown types or fields, or garbage: the generic path sorts it out
     else:
         for event in typed.events:
@@ -241,7 +241,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         return DecodedBatch(ts=typed.ts, events=typed.events, dp_rank=typed.dp_rank)  # type: ignore[arg-type]
     try:
         raw = _msgpack_decode(payload)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
         raise MalformedBatch(f"not msgpack: {exc}") from exc
     return _normalise(raw)
 
@@ -255,6 +255,6 @@ def decode_json_batch(body: bytes) -> DecodedBatch:
     """Decode a batch sent as JSON text (same shape as the msgpack one)."""
     try:
         raw = _json_decode(body)
-    except (msgspec.DecodeError, ValueError) as exc:
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
         raise MalformedBatch(f"not JSON: {exc}") from exc
     return _normalise(raw)

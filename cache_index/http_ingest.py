@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import msgspec
 
-from cache_index.events import DecodedBatch, MalformedBatch, decode_batch_object
-from cache_index.ingest import ApplyResult, ApplyStatus, EventIngestor
+from kvgate.cache_index.events import DecodedBatch, MalformedBatch, decode_batch_object
+from kvgate.cache_index.ingest import ApplyResult, ApplyStatus, EventIngestor
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/octet-stream")
 

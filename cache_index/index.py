@@ -16,6 +16,11 @@ Layout, chosen for memory (≤150 bytes per (block, replica) holding) and lookup
 - dropping a replica is O(1): its slot is retired (masked out of every read, its count subtracted) and the replica
   gets a fresh slot on its next write. Retired bits are swept from the dict in one pass once ``_SWEEP_AFTER`` slots
   are retired, and only then are those slot numbers reused;
+- each replica's GPU holdings are also kept in an approximate least-recently-used order (a dict per replica, about
+  50 bytes per holding): a store or a dispatch of the prompt to that replica moves its blocks to the back, head
+  last, as vLLM queues a finished request's blocks for eviction tail first. A replica whose cache is full evicts
+  from the front of that order, so its front is what the next allocations there will evict
+  (:meth:`PrefixIndex.surviving_blocks`);
 - predicted holdings live apart, ``key → mask`` (bit ``slot * 3``, the slot's GPU position, so it lines up with
   the tier masks) with a deadline per (slot, key), and are swept at each lookup, so they are never trusted past
   their TTL.
@@ -23,13 +28,14 @@ Layout, chosen for memory (≤150 bytes per (block, replica) holding) and lookup
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections import deque
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
-from cache_index.match import PrefixMatch, Tier
+from kvgate.cache_index.match import PrefixMatch, Tier
 
 _TIERS = len(Tier)
 _SLOT_BITS = (1 << _TIERS) - 1
@@ -60,6 +66,9 @@ class ReplicaHoldings:
 
     generation: int
     since: float
+    evicting: bool = False
+    """The engine has evicted a GPU block since its cache was last empty (started or cleared): its never-used blocks
+    are gone, so every new block it allocates evicts a cached one."""
 
 
 class PrefixIndex:
@@ -87,10 +96,13 @@ class PrefixIndex:
         self._live_gpu = 0
         """The GPU bit of every live slot: the pattern lookups read tier masks through."""
         self._slot_entries: dict[int, int] = {}
+        self._lru: dict[int, dict[int, None]] = {}
+        """Per slot, its GPU holdings, least recently stored or dispatched first."""
         self._replicas: dict[str, ReplicaHoldings] = {}
         self._predicted: dict[int, int] = {}
         self._predicted_deadlines: dict[int, dict[int, float]] = {}
-        self._predicted_expiry: deque[tuple[float, int, tuple[int, ...]]] = deque()
+        self._predicted_expiry: list[tuple[float, int, tuple[int, ...]]] = []
+        """A heap of (deadline, slot, keys): predictions expire in deadline order whatever their TTL."""
 
     # replicas and generations
 
@@ -126,7 +138,7 @@ class PrefixIndex:
             return False
         if generation > holdings.generation:
             self.drop_replica(replica)
-            self._replicas[replica] = ReplicaHoldings(generation, self._clock())
+            self._replicas[replica] = ReplicaHoldings(generation, self._clock(), holdings.evicting)
         return True
 
     # writes
@@ -149,6 +161,8 @@ class PrefixIndex:
             holders[key] = mask | bit
         self._entries += added
         self._slot_entries[slot] += added
+        if tier is Tier.GPU:
+            self._refresh(slot, keys, stored=True)
         deadlines = self._predicted_deadlines.get(slot) if self._predicted_deadlines else None
         if deadlines:
             for key in keys:
@@ -164,6 +178,11 @@ class PrefixIndex:
             return
         bit = 1 << (slot * _TIERS + tier)
         holders = self._holders
+        if tier is Tier.GPU:
+            lru = self._lru.get(slot)
+            if lru is not None:
+                for key in keys:
+                    lru.pop(key, None)
         for key in keys:
             mask = holders.get(key)
             if mask is not None and mask & bit:
@@ -174,6 +193,72 @@ class PrefixIndex:
                     holders[key] = mask
                 else:
                     del holders[key]
+
+    def evicted(self, replica: str) -> None:
+        """The engine evicted a GPU block (one kvgate may not know): its cache is full for the rest of the
+        generation."""
+        holdings = self._replicas.get(replica)
+        if holdings is not None:
+            holdings.evicting = True
+
+    def touch(self, replica: str, keys: Sequence[int]) -> None:
+        """The router sent a prompt of ``keys`` to ``replica``: the engine will use the blocks it holds, so they move
+        to the back of its eviction order (head last)."""
+        slot = self._slots.get(replica)
+        if slot is not None and keys:
+            self._refresh(slot, keys, stored=False)
+
+    def _refresh(self, slot: int, keys: Sequence[int], *, stored: bool) -> None:
+        lru = self._lru.get(slot)
+        if lru is None:
+            if not stored:
+                return
+            lru = self._lru[slot] = {}
+        pop = lru.pop
+        if stored:
+            for key in reversed(keys):
+                pop(key, None)
+                lru[key] = None
+        else:
+            for key in reversed(keys):
+                if key in lru:
+                    del lru[key]
+                    lru[key] = None
+
+    def surviving_blocks(self, replica: str, keys: Sequence[int], capacity_blocks: int, incoming_blocks: int) -> int:
+        """How many leading ``keys`` (a prefix ``replica`` holds) it will still hold once ``incoming_blocks`` more
+        blocks are allocated there, which is before a request sent now is scheduled (at least as many as are
+        predicted there and not confirmed yet).
+
+        The engine first takes blocks no cached block occupies (``capacity_blocks`` less what it holds, none once
+        it has evicted in this generation), then evicts from the front of its LRU queue. kvgate's order is an
+        approximation, and the blocks it does not know (forgotten at a reset, stored before it subscribed) sit in
+        front of it, so treating its first ``incoming - free`` blocks as lost errs towards crediting less: a lost
+        credit is a miss, a credited block the engine evicted is a wrong hit. The engine evicts a chain from its
+        tail, so the prefix is cut at its first block at risk.
+        """
+        slot = self._slots.get(replica)
+        lru = None if slot is None else self._lru.get(slot)
+        holdings = self._replicas.get(replica)
+        if not lru or holdings is None or not keys:
+            return len(keys)
+        # Blocks predicted there and not yet confirmed were dispatched but their BlockStored, and the BlockRemoved
+        # of the same step, have not been applied: they count even once the request has its first token.
+        unconfirmed = len(self._predicted_deadlines.get(slot, ()))
+        free = 0 if holdings.evicting else max(0, capacity_blocks - len(lru))
+        at_risk = max(incoming_blocks, unconfirmed) - free
+        if at_risk <= 0:
+            return len(keys)
+        doomed = lru if at_risk >= len(lru) else set(islice(lru, at_risk))
+        for i, key in enumerate(keys):
+            if key in doomed:
+                return i
+        return len(keys)
+
+    def held_blocks(self, replica: str) -> int:
+        """Blocks ``replica`` holds, confirmed by its events, all tiers counted (0 for a replica never seen)."""
+        slot = self._slots.get(replica)
+        return 0 if slot is None else self._slot_entries[slot]
 
     def holds(self, replica: str, key: int) -> bool:
         """Whether ``replica`` holds ``key`` in any tier (confirmed holdings only)."""
@@ -196,6 +281,7 @@ class PrefixIndex:
             return 0
         del self._names[slot]
         removed = self._slot_entries.pop(slot)
+        self._lru.pop(slot, None)
         self._entries -= removed
         self._live &= ~(_SLOT_BITS << (slot * _TIERS))
         self._live_gpu &= ~(1 << (slot * _TIERS))
@@ -227,10 +313,15 @@ class PrefixIndex:
         self._free_slots.extend(self._retired_slots)
         self._retired_slots.clear()
 
-    def reset_replica(self, replica: str, generation: int) -> int:
-        """Drop everything ``replica`` holds and start ``generation`` (older writes are ignored from now on)."""
+    def reset_replica(self, replica: str, generation: int, *, wiped: bool = False) -> int:
+        """Drop everything ``replica`` holds and start ``generation`` (older writes are ignored from now on).
+
+        Unless the engine's cache was ``wiped`` (a restart, ``AllBlocksCleared``), the engine still holds what kvgate
+        forgets, so a replica that was evicting still is."""
+        previous = self._replicas.get(replica)
         removed = self.drop_replica(replica)
-        self._replicas[replica] = ReplicaHoldings(generation, self._clock())
+        evicting = previous is not None and previous.evicting and not wiped
+        self._replicas[replica] = ReplicaHoldings(generation, self._clock(), evicting)
         return removed
 
     def forget_replica(self, replica: str) -> int:
@@ -256,19 +347,26 @@ class PrefixIndex:
                 self._evictions += count
                 while live:
                     low = live & -live
-                    self._slot_entries[(low.bit_length() - 1) // _TIERS] -= 1
+                    bit = low.bit_length() - 1
+                    self._slot_entries[bit // _TIERS] -= 1
+                    if bit % _TIERS == Tier.GPU:
+                        lru = self._lru.get(bit // _TIERS)
+                        if lru is not None:
+                            lru.pop(key, None)
                     live ^= low
                 if self._entries <= target:
                     return
 
     # predictions
 
-    def predict(self, replica: str, keys: Sequence[int]) -> None:
-        """Mark ``keys`` as predicted on ``replica`` for ``predicted_ttl_s`` (the router just sent it this prompt)."""
-        if not keys or self.predicted_ttl_s <= 0:
+    def predict(self, replica: str, keys: Sequence[int], ttl_s: float | None = None) -> None:
+        """Mark ``keys`` as predicted on ``replica`` for ``predicted_ttl_s`` (the router just sent it this prompt), or
+        for ``ttl_s`` when shorter (what is left of another gateway's prediction)."""
+        ttl = self.predicted_ttl_s if ttl_s is None else min(ttl_s, self.predicted_ttl_s)
+        if not keys or ttl <= 0:
             return
         slot = self._slot(replica)
-        deadline = self._clock() + self.predicted_ttl_s
+        deadline = self._clock() + ttl
         deadlines = self._predicted_deadlines.setdefault(slot, {})
         predicted = self._predicted
         bit = 1 << (slot * _TIERS)
@@ -277,11 +375,12 @@ class PrefixIndex:
         for key in keys:
             if self._holders.get(key, 0) & confirmed_bits:
                 continue
-            deadlines[key] = deadline
+            if ttl_s is None or deadlines.get(key, 0.0) < deadline:  # a hint never shortens a longer prediction
+                deadlines[key] = deadline
             predicted[key] = predicted.get(key, 0) | bit
             fresh.append(key)
         if fresh:
-            self._predicted_expiry.append((deadline, slot, tuple(fresh)))
+            heapq.heappush(self._predicted_expiry, (deadline, slot, tuple(fresh)))
 
     def _unpredict(self, key: int, slot: int) -> None:
         mask = self._predicted.get(key, 0) & ~(1 << (slot * _TIERS))
@@ -293,7 +392,7 @@ class PrefixIndex:
     def _expire_predictions(self, now: float) -> None:
         expiry = self._predicted_expiry
         while expiry and expiry[0][0] <= now:
-            _, slot, keys = expiry.popleft()
+            _, slot, keys = heapq.heappop(expiry)
             deadlines = self._predicted_deadlines.get(slot)
             if deadlines is None:
                 continue
@@ -375,6 +474,27 @@ class PrefixIndex:
                         match = result[name] = PrefixMatch()
                     setattr(match, field_name, getattr(match, field_name) + tokens)
         return result
+
+    def export_holdings(self, replicas: Sequence[str]) -> dict[str, tuple[array[int], bytearray]]:
+        """Per replica (those of ``replicas`` the index knows): its confirmed keys in the index's eviction order,
+        least recently used first, and per key a byte whose bit ``t`` says it is held in tier ``t``. One pass over
+        the index for all of them."""
+        out: dict[str, tuple[array[int], bytearray]] = {}
+        shifts: list[tuple[int, array[int], bytearray]] = []
+        for name in replicas:
+            slot = self._slots.get(name)
+            if slot is not None:
+                keys, tiers = out[name] = (array("Q"), bytearray())
+                shifts.append((slot * _TIERS, keys, tiers))
+        if not shifts:
+            return out
+        for key, mask in self._holders.items():
+            for shift, keys, tiers in shifts:
+                bits = mask >> shift & _SLOT_BITS
+                if bits:
+                    keys.append(key)
+                    tiers.append(bits)
+        return out
 
     def stats(self) -> IndexStats:
         blocks = len(self._holders)

@@ -14,7 +14,13 @@ Sequence rules, per (replica, DP rank) stream:
   ``duplicate_window`` is a restart and anything closer is a duplicate.
 
 Generations: every restart, ``AllBlocksCleared``, reset (health loss, drain) or namespace change bumps the
-replica's generation and drops all its holdings. A caller that captured a generation before awaiting something
+replica's generation and drops all its holdings.
+
+Restarts the sequence cannot show (the new engine's first frames were missed, or it has published nothing yet) are
+reported by the router from the engine's scraped process start time (:meth:`EventIngestor.engine_started`): unless
+the current generation already began with that engine's own frames, the generation is bumped. From then on a frame
+whose batch timestamp predates the process start (published by the old engine, still in flight) is stale: the
+timestamp and the start time both come from the engine host's clock. A caller that captured a generation before awaiting something
 (a replay) passes it back, and frames of an older generation are discarded as stale.
 
 Keys: a ``BlockStored`` chain with no parent is rooted at the namespace of (replica's model, weight version, cache
@@ -24,24 +30,42 @@ keys, so such blocks never match text-only requests. A stored chain whose parent
 counted as orphan: kvgate never guesses a prefix. ``BlockRemoved`` resolves engine hashes through the replica's
 engine-hash → key map; a hash leaves the map once the replica holds its block in no tier.
 
-A malformed frame is counted and, since it may have carried removals, the replica's holdings are purged: a wrong
-hit costs more than a miss.
+A malformed frame is counted, logged (at most once per ``MALFORMED_LOG_INTERVAL_S`` per replica, with the reason and
+how many went unlogged) and otherwise ignored. It keeps its place in the sequence, so it never opens a gap and never
+erases what the replica holds: bytes anyone can send must not wipe good state. Only a sequence number proving a gap
+leads to a purge (when replay cannot repair it).
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_index.events import Cleared, DecodedBatch, MalformedBatch, Removed, Stored, decode_batch
-from cache_index.index import PrefixIndex
-from cache_index.keys import block_keys, namespace_key
-from cache_index.match import Tier, tier_of_medium
+from kvgate.cache_index.events import Cleared, DecodedBatch, MalformedBatch, Removed, Stored, decode_batch
+from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.match import Tier, tier_of_medium
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DUPLICATE_WINDOW = 100_000
 """Over HTTP and replay: how far back a sequence number may be and still count as a duplicate, not a restart."""
+
+MALFORMED_LOG_INTERVAL_S = 10.0
+"""At most one log line per replica per this many seconds about malformed frames and events."""
+RESTART_RESETS = frozenset({"replay_mismatch", "restart_after_replay"})
+"""Reset reasons that are an engine restart the subscriber saw in the stream itself."""
+RESTART_CLOCK_MARGIN_S = 1.0
+"""prometheus_client computes a process start time from the host's boot time in whole seconds, so the scraped value
+may be up to a second early: a generation counts as the restarted engine's own when its first frame is this much
+later than the scraped start (or is the new engine's sequence restart itself)."""
+_REASON_CHARS = 200
+"""A logged reason is cut to this length: it may quote bytes anyone sent."""
 
 _FULL_ATTENTION = (None, "full_attention")
 _GPU_MEDIA = {None: Tier.GPU, "GPU": Tier.GPU}
@@ -68,6 +92,9 @@ class ApplyResult:
     """For a gap: the sequence number received."""
     events: int = 0
     """Events applied from this frame."""
+    generation: int | None = None
+    """The replica's generation once the frame was handled: a frame carrying ``AllBlocksCleared`` moves it on, and a
+    caller applying further frames of the same engine (a replay) passes this one along, not the one it started with."""
 
     @property
     def applied(self) -> bool:
@@ -117,8 +144,34 @@ class _Replica:
     block_size: int | None
     generation: int
     streams: dict[int | None, _Stream] = field(default_factory=dict)
+    started_at: float | None = None
+    """The engine process's start time (epoch seconds) once a restart was reported: older batches are stale."""
+    first_ts: float | None = None
+    """Timestamp of the first batch applied in the current generation."""
+    by_restart: bool = False
+    """The current generation began with a restart seen in the event stream (its sequence went back, or the
+    subscriber found a replay or a live frame another engine's): its frames are the new engine's."""
+    began_knowing: float | None = None
+    """The engine start time already reported when the current generation began: every frame it applied is no older
+    than that start (older ones are stale), so they are that process's own."""
     engine_keys: dict[int, int] = field(default_factory=dict)
     namespaces: dict[tuple[str | None, str | None], int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where one replica's event streams stand in a router: what another router needs to continue them from there
+    (its holdings travel apart, see :mod:`cache_index.snapshot`)."""
+
+    model: str
+    weight_version: str
+    block_size: int | None
+    first_ts: float | None
+    by_restart: bool
+    expected: dict[int | None, int]
+    """Per DP rank: the next sequence number the stream expects."""
+    engine_keys: dict[int, int]
+    """Engine block hash → kvgate key, for the blocks the replica holds."""
 
 
 class EventIngestor:
@@ -131,19 +184,19 @@ class EventIngestor:
         self._replicas: dict[str, _Replica] = {}
         self._retired_generations: dict[str, int] = {}
         """Last generation of removed replicas, so a re-added one never reuses a generation."""
+        self._malformed_logged: dict[str, tuple[float, int]] = {}
+        """Per replica: when a malformed frame was last logged, and how many were counted since without a line."""
 
     # replica lifecycle
 
-    def add_replica(self, name: str, *, model: str, weight_version: str = "", block_size: int | None = None) -> None:
+    def add_replica(self, name: str, *, model: str, weight_version: str = "") -> None:
         """Start tracking a replica (or update one): its model and weight version root its namespaces."""
         replica = self._replicas.get(name)
         if replica is not None:
             self.set_namespace(name, model, weight_version)
-            if block_size is not None:
-                replica.block_size = block_size
             return
         generation = self._retired_generations.pop(name, -1) + 1
-        self._replicas[name] = _Replica(model, weight_version, block_size, generation)
+        self._replicas[name] = _Replica(model, weight_version, None, generation)
         self.stats.generations[name] = generation
         self.index.reset_replica(name, generation)  # the index reports every tracked replica's generation
 
@@ -169,7 +222,7 @@ class EventIngestor:
         replica = self._replicas.get(name)
         if replica is None:
             return
-        self._bump(name, replica, clear_streams=True)
+        self._bump(name, replica, clear_streams=True, restart=reason in RESTART_RESETS)
         self.stats.resets[reason] += 1
 
     def purge(self, name: str, dp_rank: int | None = None) -> None:
@@ -186,8 +239,10 @@ class EventIngestor:
         return self._replicas[name].generation
 
     def block_size(self, name: str) -> int | None:
-        """The configured block size, else the one the replica's events announced."""
-        return self._replicas[name].block_size
+        """The block size of the replica's latest ``BlockStored`` (None before its first one, or for an unknown
+        replica): what its holdings' keys were computed with, so what a request's keys must use to match them."""
+        replica = self._replicas.get(name)
+        return None if replica is None else replica.block_size
 
     def replicas(self) -> list[str]:
         return list(self._replicas)
@@ -197,10 +252,86 @@ class EventIngestor:
         stream = None if replica is None else replica.streams.get(dp_rank)
         return None if stream is None else stream.expected
 
-    def _bump(self, name: str, replica: _Replica, *, clear_streams: bool) -> None:
+    def resume_point(self, name: str) -> ResumePoint | None:
+        replica = self._replicas.get(name)
+        if replica is None:
+            return None
+        expected = {rank: s.expected for rank, s in replica.streams.items() if s.expected is not None}
+        return ResumePoint(replica.model, replica.weight_version, replica.block_size, replica.first_ts,
+                           replica.by_restart, expected, dict(replica.engine_keys))
+
+    def resume(self, name: str, point: ResumePoint) -> int | None:
+        """Continue a replica's streams from another router's resume point: its next frames follow the sequence rules
+        from ``point.expected`` (a gap is replayed, a step back is a restart). Only for a replica of the same
+        namespace that nothing has fed yet; returns the generation its holdings must be stored under, else None."""
+        replica = self._replicas.get(name)
+        if replica is None or (replica.model, replica.weight_version) != (point.model, point.weight_version):
+            return None
+        if replica.streams or replica.first_ts is not None or replica.engine_keys:
+            return None
+        replica.block_size = point.block_size
+        replica.first_ts = point.first_ts
+        replica.by_restart = point.by_restart
+        replica.streams = {rank: _Stream(expected=seq) for rank, seq in point.expected.items()}
+        replica.engine_keys = dict(point.engine_keys)
+        return replica.generation
+
+    def engine_started(self, name: str, started_at: float) -> bool:
+        """The replica's engine process (re)started at ``started_at`` (epoch seconds, the engine host's clock; its
+        scraped ``process_start_time_seconds``): drop what the old process held, unless the current generation
+        already began with the new process's own frames, or with this restart seen in the stream before any frame.
+        Returns whether the generation was bumped."""
+        replica = self._replicas.get(name)
+        if replica is None:
+            return False
+        replica.started_at = started_at
+        if replica.first_ts is None and replica.by_restart:
+            return False  # the stream showed this restart first, and nothing is held since
+        if self._began_with_process(replica, started_at):
+            return False
+        self._bump(name, replica, clear_streams=True, wiped=True)
+        self.stats.restarts += 1
+        log.warning("kv-events %s: the engine restarted (process start time moved); generation %d", name,
+                    replica.generation)
+        return True
+
+    def engine_recovered(self, name: str, started_at: float | None) -> bool:
+        """The replica passes health checks again after failing them; ``started_at`` is its engine's process start
+        time scraped just now (None when unknown). What it held was dropped when it went down, and frames may have
+        arrived since. Keep them only if they provably came from the process now running (the generation's first
+        frame is later than its start); otherwise forget them. Returns whether the generation was bumped."""
+        replica = self._replicas.get(name)
+        if replica is None:
+            return False
+        if started_at is not None:
+            replica.started_at = started_at
+            if self._began_with_process(replica, started_at):
+                return False
+        self._bump(name, replica, clear_streams=True)
+        self.stats.resets["recovered"] += 1
+        return True
+
+    @staticmethod
+    def _began_with_process(replica: _Replica, started_at: float) -> bool:
+        """The replica's current generation holds only what the process started at ``started_at`` published: it
+        began after that start was reported, or with a frame of that process."""
+        if replica.began_knowing == started_at:
+            return True
+        first = replica.first_ts
+        return first is not None and (
+            first >= started_at + RESTART_CLOCK_MARGIN_S or (replica.by_restart and first >= started_at)
+        )
+
+    def _bump(
+        self, name: str, replica: _Replica, *, clear_streams: bool, restart: bool = False, wiped: bool = False
+    ) -> None:
+        """A new generation; ``wiped`` when the engine's cache is known to be empty now (a restart, a reset)."""
         replica.generation += 1
+        replica.first_ts = None
+        replica.by_restart = restart
+        replica.began_knowing = replica.started_at
         self.stats.generations[name] = replica.generation
-        self.index.reset_replica(name, replica.generation)
+        self.index.reset_replica(name, replica.generation, wiped=wiped or restart)
         replica.engine_keys.clear()
         if clear_streams:
             replica.streams.clear()
@@ -230,6 +361,15 @@ class EventIngestor:
         if generation is not None and generation != replica.generation:
             stats.dropped["stale_generation"] += 1
             return ApplyResult(ApplyStatus.STALE)
+        batch: DecodedBatch | None = None
+        problem = ""
+        try:
+            batch = payload if isinstance(payload, DecodedBatch) else decode_batch(payload)
+        except MalformedBatch as exc:
+            problem = str(exc)
+        if batch is not None and replica.started_at is not None and batch.ts < replica.started_at:
+            stats.dropped["stale_generation"] += 1  # the old engine's, still in flight after its restart
+            return ApplyResult(ApplyStatus.STALE, generation=replica.generation)
         stream = replica.streams.get(dp_rank)
         if stream is None:
             stream = replica.streams[dp_rank] = _Stream()
@@ -244,24 +384,35 @@ class EventIngestor:
             if self._is_duplicate(stream, seq, expected, source):
                 stats.dropped["duplicate"] += 1
                 return ApplyResult(ApplyStatus.DUPLICATE)
-            self._bump(name, replica, clear_streams=True)
+            self._bump(name, replica, clear_streams=True, restart=True)
             stats.restarts += 1
             stream = replica.streams[dp_rank] = _Stream()
             status = ApplyStatus.RESTARTED
         stream.expected = seq + 1
         stream.gap = None
         stream.replayed_through = seq if source == "replay" else None
-        try:
-            batch = payload if isinstance(payload, DecodedBatch) else decode_batch(payload)
-        except MalformedBatch:
-            stats.dropped["malformed"] += 1
-            self.index.drop_replica(name)
-            replica.engine_keys.clear()
-            stats.purges += 1
-            return ApplyResult(ApplyStatus.MALFORMED)
+        if batch is None:
+            self.malformed(name, f"frame {seq}: {problem}")
+            return ApplyResult(ApplyStatus.MALFORMED, generation=replica.generation)
+        if replica.first_ts is None:
+            replica.first_ts = batch.ts
         applied = self._apply_events(name, replica, batch)
+        if replica.first_ts is None:  # an AllBlocksCleared in it started a generation
+            replica.first_ts = batch.ts
         stats.frames_applied += 1
-        return ApplyResult(status, events=applied)
+        return ApplyResult(status, events=applied, generation=replica.generation)
+
+    def malformed(self, name: str, reason: str) -> None:
+        """Count a frame or event no engine would publish, and log it, rate-limited per replica."""
+        self.stats.dropped["malformed"] += 1
+        now = time.monotonic()
+        last, unlogged = self._malformed_logged.get(name, (-math.inf, 0))
+        if now - last < MALFORMED_LOG_INTERVAL_S:
+            self._malformed_logged[name] = (last, unlogged + 1)
+            return
+        self._malformed_logged[name] = (now, 0)
+        since = f" ({unlogged} more since the last report)" if unlogged else ""
+        log.warning("kv-events %s: malformed, ignored: %s%s", name, reason[:_REASON_CHARS], since)
 
     def _is_duplicate(self, stream: _Stream, seq: int, expected: int, source: str) -> bool:
         if source == "zmq":
@@ -280,7 +431,7 @@ class EventIngestor:
             elif type(event) is Removed:
                 applied += self._removed(name, replica, event)
             elif type(event) is Cleared:
-                self._bump(name, replica, clear_streams=False)
+                self._bump(name, replica, clear_streams=False, wiped=True)
                 applied += 1
         stats.events_applied += applied
         return applied
@@ -298,7 +449,7 @@ class EventIngestor:
         hashes = event.block_hashes
         block_size = event.block_size
         if len(event.token_ids) != len(hashes) * block_size:
-            dropped["malformed"] += 1
+            self.malformed(name, f"BlockStored with {len(hashes)} hashes and {len(event.token_ids)} token ids")
             return 0
         extra_keys = event.extra_keys
         if event.parent is None:
@@ -313,13 +464,12 @@ class EventIngestor:
             extras = _fold_extras(extra_keys, event.lora_name) if extra_keys else None
         try:
             keys = block_keys(parent, event.token_ids, block_size, extras)
-        except (OverflowError, TypeError, ValueError):
-            dropped["malformed"] += 1
+        except (OverflowError, TypeError, ValueError) as exc:
+            self.malformed(name, f"BlockStored whose token ids or extra keys do not encode: {exc}")
             return 0
         self.index.store(name, keys, tier, replica.generation)
         replica.engine_keys.update(zip(hashes, keys))
-        if replica.block_size is None:
-            replica.block_size = block_size
+        replica.block_size = block_size
         return 1
 
     def _removed(self, name: str, replica: _Replica, event: Removed) -> int:
@@ -329,6 +479,8 @@ class EventIngestor:
             return 0
         engine_keys = replica.engine_keys
         index = self.index
+        if tier is Tier.GPU:
+            index.evicted(name)
         for engine_hash in event.block_hashes:
             key = engine_keys.get(engine_hash)
             if key is None:

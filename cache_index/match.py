@@ -33,6 +33,16 @@ def tier_of_medium(medium: str | None) -> Tier | None:
     return MEDIUM_TIERS.get(medium.upper())
 
 
+def reusable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Full blocks of a prompt an engine can take from its prefix cache.
+
+    vLLM looks up at most ``prompt_tokens - 1`` tokens (the last one is always computed, for its logits), so a prompt
+    that ends exactly on a block boundary reuses one block less than it holds: 3,008 tokens in 32-token blocks hold
+    94 blocks and reuse 93 (2,976 tokens). Anything crediting a match must credit at most this many blocks.
+    """
+    return max(prompt_tokens - 1, 0) // block_size
+
+
 @dataclass(slots=True)
 class PrefixMatch:
     """Leading prompt tokens one replica holds, attributed per block to the best tier that holds it.

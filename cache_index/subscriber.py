@@ -21,15 +21,19 @@ two engines never publish the same payload); if not, the replica is reset under 
 stream is still to deliver: those live copies must be the replayed bytes, else the engine restarted in between
 (reason ``restart_after_replay``), which sequence numbers alone would take for duplicates.
 
-A subscription whose first frame is not the engine's first (kvgate started, restarted or scaled out while the engine
-was running) catches up from the replay buffer from 0 first, so every router agrees on what was published before it
-joined, as far back as the engine's buffer goes.
+A new subscription (kvgate started, restarted or scaled out while the engine was running) catches up from the
+replay buffer from 0 at once, before any live frame, so every router agrees on what was published before it joined,
+as far back as the engine's buffer goes, even while the engine is idle and publishes nothing. The replay ROUTER
+answers a request from 0 with every buffered batch, or with the end marker alone when the buffer is empty; an
+engine not up yet does not answer, and the subscription starts from its first live frame. A first live frame that
+is not the engine's first, with nothing caught up before it, triggers the same catch-up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -37,8 +41,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from cache_index.ingest import ApplyResult, ApplyStatus, EventIngestor
-from cache_index.vllm_wire import END_SEQ, encode_seq
+from kvgate.cache_index.ingest import ApplyResult, ApplyStatus, EventIngestor
+from kvgate.cache_index.vllm_wire import END_SEQ, encode_seq
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +87,23 @@ class KvEventSubscriber:
         self._replayed_through: int | None = None
         """The last sequence number a replay delivered, until the live stream goes past it."""
         self._replayed_ahead: dict[int, bytes] = {}
-        """Frames a replay delivered that the live stream has not delivered yet."""
+        """Digests of the frames a replay delivered that the live stream has not delivered yet (a catch-up from 0
+        may hold a whole replay buffer)."""
+        self._replayed_generation: int | None = None
+        """The replica's generation when the replay was applied: once it moves (a reset, a restart seen elsewhere),
+        the replay's frames say nothing about the live ones."""
         self._context = context or zmq.asyncio.Context.instance()
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def last_applied(self) -> tuple[int, bytes] | None:
+        """The last frame applied, (sequence number, payload)."""
+        return self._last_applied
+
+    def resume_after(self, seq: int, payload: bytes) -> None:
+        """Continue after a frame applied before this subscription existed (another router's, with its index
+        snapshot): a gap behind it is replayed from that frame, so the replay proves the same engine sent both."""
+        self._last_applied = (seq, payload)
 
     def start(self) -> asyncio.Task[None]:
         if self._task is None or self._task.done():
@@ -116,6 +134,7 @@ class KvEventSubscriber:
         sock = self._connect()
         queued = zmq.Socket.shadow(sock.underlying)
         try:
+            await self._join()
             while True:
                 try:
                     frames = await sock.recv_multipart()
@@ -148,6 +167,32 @@ class KvEventSubscriber:
             except zmq.Again:
                 return
 
+    async def _join(self) -> None:
+        """Catch up from the engine's replay buffer before the first live frame (the SUB socket is connected first,
+        so what the engine publishes meanwhile waits in it and is checked against the replay). Counted as a replay
+        only when the buffer held something."""
+        if self.replay_endpoint is None or self._last_applied is not None \
+                or self.ingestor.expected_seq(self.name, self.dp_rank) is not None:
+            return
+        try:
+            replayed = await self._fetch_replay(0)
+        except (ReplayFailed, zmq.ZMQError, TimeoutError) as exc:  # not up yet: its first live frame will do
+            log.info("kv-events %s: no replay to catch up from at start (%r)", self.name, exc)
+            return
+        if not replayed:  # an empty buffer: nothing published yet
+            return
+        stats = self.ingestor.stats
+        stats.replays_requested += 1
+        try:
+            self._apply_replayed(replayed, -1, None, self.ingestor.generation(self.name))
+        except ReplayFailed as exc:
+            stats.replays_failed += 1
+            log.info("kv-events %s: could not catch up at start (%s)", self.name, exc)
+            if self.ingestor.expected_seq(self.name, self.dp_rank) is not None:
+                self.ingestor.purge(self.name, self.dp_rank)
+        else:
+            stats.replays_succeeded += 1
+
     async def handle_frames(self, frames: list[bytes]) -> ApplyResult | None:
         """Apply one live message; on a gap, repair it by replay or purge."""
         if len(frames) == 3:
@@ -155,12 +200,16 @@ class KvEventSubscriber:
         elif len(frames) == 2:
             seq_frame, payload = frames
         else:
-            return self._malformed_frame()
+            return self._malformed_frame(f"message of {len(frames)} frames")
         if len(seq_frame) != _SEQ_BYTES:
-            return self._malformed_frame()
+            return self._malformed_frame(f"sequence frame of {len(seq_frame)} bytes")
         seq = int.from_bytes(seq_frame, "big")
         if self._replayed_through is not None:
-            self._check_replayed(seq, payload, self._replayed_through)
+            if self.ingestor.generation(self.name) == self._replayed_generation:
+                self._check_replayed(seq, payload, self._replayed_through)
+            else:
+                self._replayed_through = None
+                self._replayed_ahead.clear()
         if self._last_applied is None and seq > 0 and self.replay_endpoint is not None \
                 and self.ingestor.expected_seq(self.name, self.dp_rank) is None:
             await self._catch_up(seq, payload)
@@ -177,16 +226,16 @@ class KvEventSubscriber:
         """A live frame at or before the replay's last one is the live copy of a replayed frame (the ingestor then
         discards it as a duplicate) or comes from an engine that restarted since: reset the replica."""
         if seq <= replayed_through:
-            if self._replayed_ahead.pop(seq, None) == payload:
+            if self._replayed_ahead.pop(seq, None) == _digest(payload):
                 return
             log.warning("kv-events %s: the engine restarted after a replay; resetting", self.name)
             self.ingestor.reset_replica(self.name, "restart_after_replay")
         self._replayed_through = None
         self._replayed_ahead.clear()
 
-    def _malformed_frame(self) -> None:
+    def _malformed_frame(self, reason: str) -> None:
         self.malformed_frames += 1
-        self.ingestor.stats.dropped["malformed"] += 1
+        self.ingestor.malformed(self.name, reason)
 
     async def _repair(self, expected: int, live_seq: int, live_payload: bytes) -> None:
         stats = self.ingestor.stats
@@ -238,18 +287,23 @@ class KvEventSubscriber:
             stats.replays_succeeded += 1
 
     def _apply_replayed(
-        self, replayed: list[tuple[int, bytes]], live_seq: int, live_payload: bytes, generation: int
+        self, replayed: list[tuple[int, bytes]], live_seq: int, live_payload: bytes | None, generation: int
     ) -> None:
-        """Apply a replay's frames in order, then the live frame unless the replay already had it (its live copies
-        are then checked as they arrive). Raises ReplayFailed when a frame does not follow or the replica moved on."""
+        """Apply a replay's frames in order, then the live frame (if any) unless the replay already had it (its live
+        copies are then checked as they arrive). Raises ReplayFailed when a frame does not follow or the replica moved on
+        while the replay was fetched; a generation change a replayed frame makes itself (``AllBlocksCleared``) is
+        followed, so what the engine stored after a cache reset is applied too."""
         for seq, payload in replayed:
             result = self.ingestor.apply(self.name, seq, payload, self.dp_rank, source="replay", generation=generation)
             if result.status in (ApplyStatus.GAP, ApplyStatus.STALE, ApplyStatus.UNKNOWN_REPLICA):
                 raise ReplayFailed(f"replayed frame {seq}: {result.status.value}")
+            if result.generation is not None:  # a replayed AllBlocksCleared starts the generation its successors join
+                generation = result.generation
         self._last_applied = replayed[-1]
         self._replayed_through = replayed[-1][0]
-        self._replayed_ahead = {seq: payload for seq, payload in replayed if seq > live_seq}
-        if replayed[-1][0] < live_seq:
+        self._replayed_ahead = {seq: _digest(payload) for seq, payload in replayed if seq > live_seq}
+        self._replayed_generation = generation
+        if live_payload is not None and replayed[-1][0] < live_seq:
             self._apply_live(live_seq, live_payload)
 
     def _apply_live(self, seq: int, payload: bytes) -> None:
@@ -345,6 +399,11 @@ class SubscriptionManager:
 
     def subscribers(self) -> list[KvEventSubscriber]:
         return list(self._subscribers.values())
+
+
+def _digest(payload: bytes) -> bytes:
+    """Identifies a frame's bytes (a batch carries its timestamp, so two engines never publish the same payload)."""
+    return hashlib.blake2b(payload, digest_size=16).digest()
 
 
 async def _ended(tasks: list[asyncio.Task[None] | None]) -> None:

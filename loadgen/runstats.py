@@ -49,13 +49,13 @@ def group_cpu_seconds(pgid: int, proc: Path = PROC) -> float | None:
 
 COUNTERS = {
     "kvgate_decisions": ("action", "reason"),
-    "kvgate_transfers": ("result",),
+    "kvgate_transfers": ("kind", "result"),
 }
 """Labelled gateway counters copied into a run's summary, keyed by their joined label values."""
 
 
 def parse_gateway_counters(text: str) -> dict[str, dict[str, float]]:
-    """From a kvgate ``/metrics`` page: decisions by ``action/reason``, transfers by result, replication events by
+    """From a kvgate ``/metrics`` page: decisions by ``action/reason``, transfers by ``kind/result``, replication events by
     ``event/reason``, and the warm-up tokens spent. Families that are absent come out empty, and labelled series
     still at zero (kvgate exports every known result and reason from the start) are left out."""
     out: dict[str, dict[str, float]] = {"decisions": {}, "transfers": {}, "replication": {}, "warmup_tokens": {}}
@@ -64,7 +64,7 @@ def parse_gateway_counters(text: str) -> dict[str, dict[str, float]]:
             if sample.labels and not sample.value:
                 continue
             if family.name in COUNTERS and sample.name.endswith("_total"):
-                key = "/".join(sample.labels.get(label, "") for label in COUNTERS[family.name])
+                key = "/".join(sample.labels[label] for label in COUNTERS[family.name] if label in sample.labels)
                 out[family.name.removeprefix("kvgate_")][key] = sample.value
             elif family.name == "kvgate_warmup_tokens" and sample.name.endswith("_total"):
                 out["warmup_tokens"]["total"] = sample.value

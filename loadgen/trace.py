@@ -15,9 +15,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadgen.workloads import Request, WorkloadOptions
-from loadgen.workloads.oracle import PrefixOracle
-from loadgen.workloads.vocabulary import vocabulary_for
+from kvgate.loadgen.workloads import Request, WorkloadOptions
+from kvgate.loadgen.workloads.oracle import PrefixOracle
+from kvgate.loadgen.workloads.vocabulary import vocabulary_for
 
 TRACE_BLOCK_TOKENS = 512
 

@@ -13,7 +13,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from policies.config import CalibrationConfig, PrefillCost
+from kvgate.policies.config import CalibrationConfig, PrefillCost
 
 HUBER_K = 1.345
 """Huber's tuning constant: 95% efficiency on Gaussian noise, bounded influence for everything beyond."""

@@ -1,63 +1,19 @@
-"""The policy file: one YAML document, validated into a typed config.
-
-Every field has a default and a docstring; README's "Policy file" section lists them. A bad file is rejected with the
-dotted path of the offending field (pydantic's ``loc``) and the problem. Unknown keys are errors, so a typo never
-silently does nothing.
-"""
+"""The policies' and the cost model's sections of the policy file: each model's cost constants, the policy, cost-model
+calibration, KV transfers, prefill/decode disaggregation and hot-prefix replication. A policy is built from its own section and the cost model's
+(:func:`kvgate.policies.registry.create_policy`, :meth:`kvgate.policies.cost_model.CostModel.from_config`), never from
+the whole file."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class ServerConfig(Section):
-    host: str = "127.0.0.1"
-    """Address kvgate listens on (CLI --host overrides)."""
-    port: int = Field(8000, ge=0, le=65535)
-    """Port kvgate listens on (CLI --port overrides)."""
-    admin_token: str | None = None
-    """Bearer token for /admin/* (also read from env KVGATE_ADMIN_TOKEN); admin endpoints are off when unset."""
-    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
-    """Request bodies above this get 413."""
-    shutdown_grace_s: float = Field(30.0, ge=0)
-    """On SIGTERM/SIGINT: stop accepting, let in-flight streams finish up to this long, then cancel them."""
-    log_requests: bool = True
-    """One JSON line per request at info level."""
-
-
-class ReplicaConfig(Section):
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
-    """Unique replica name (letters, digits, _ . : -); shown in x-kvgate-replica, metrics and logs."""
-    url: str
-    """Base URL of the engine's HTTP server, e.g. http://10.0.0.5:8000."""
-    kv_events: str | None = None
-    """ZMQ endpoint of the engine's KV-event publisher (e.g. tcp://10.0.0.5:5557); no prefix index for it if unset."""
-    kv_replay: str | None = None
-    """ZMQ endpoint of the engine's replay ROUTER socket; gaps purge instead of repair if unset."""
-    kv_topic: str = ""
-    """SUB topic filter (vLLM's ``topic``; empty receives all)."""
-    engine: Literal["vllm", "sglang"] = "vllm"
-    labels: dict[str, str] = Field(default_factory=dict)
-    """Free-form labels (e.g. zone, GPU type), shown by /admin/replicas."""
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return v.rstrip("/")
+from kvgate.cache_index.config import Section
 
 
 class PrefillCost(Section):
-    """prefill_ms(n) = fixed_ms + per_token_ms * n + quadratic_ms * n^2 / 1e6 (DESIGN.md's service model)."""
+    """prefill_ms(n) = fixed_ms + per_token_ms * n + quadratic_ms * n^2 / 1e6 (the service model in docs/design.md)."""
 
     fixed_ms: float = Field(20.0, ge=0)
     """Fixed prefill cost per request (scheduling, first step), ms."""
@@ -75,74 +31,16 @@ class ModelConfig(Section):
     tokenizer: str | None = None
     """Local model directory (tokenizer.json + tokenizer_config.json) or a tokenizer.json path."""
     block_size: int = Field(16, ge=1)
-    """Engine KV block size in tokens; learned from events / cache_config_info when they say otherwise."""
+    """Engine KV block size in tokens, a default: each replica's own (its events' block_size, else its scraped
+    cache_config_info) is used once known; a stated value an engine contradicts is logged and metered."""
     weight_version: str = ""
     """Changing it starts a new namespace: every old cached prefix simply misses."""
     prefill: PrefillCost = PrefillCost()
     kv_bytes_per_token: int = Field(320 * 1024, gt=0)
     """KV-cache bytes per token (all layers); sizes transfers."""
-
-
-class HealthConfig(Section):
-    interval_s: float = Field(2.0, gt=0)
-    """Seconds between active GET /health checks of each replica."""
-    timeout_s: float = Field(1.0, gt=0)
-    """A health check slower than this counts as failed."""
-    failures_to_down: int = Field(3, ge=1)
-    """Consecutive failed checks that mark a replica down."""
-    successes_to_up: int = Field(2, ge=1)
-    """Consecutive good checks that mark a down replica up again (with a new generation)."""
-
-
-class BreakerConfig(Section):
-    failures_to_open: int = Field(5, ge=1)
-    """Consecutive request failures (connect error, timeout, 5xx) that open a replica's circuit."""
-    open_s: float = Field(10.0, gt=0)
-    """How long an open circuit rejects before admitting one half-open probe request."""
-
-
-class ProxyConfig(Section):
-    connect_timeout_s: float = Field(2.0, gt=0)
-    """Upstream TCP connect timeout; a refused or timed-out connect is retried on the next replica."""
-    first_byte_timeout_s: float = Field(60.0, gt=0)
-    """Upstream must send response headers within this (long prefills count here)."""
-    total_timeout_s: float = Field(1800.0, gt=0)
-    """Upper bound on one upstream request, streaming included."""
-    max_attempts: int = Field(3, ge=1)
-    """Tries per request, across replicas, before any byte reached the client."""
-    backoff_base_ms: float = Field(20.0, ge=0)
-    """First retry backoff; doubles per attempt, with full jitter."""
-    backoff_max_ms: float = Field(500.0, ge=0)
-    """Cap on one retry backoff."""
-    pool_size_per_replica: int = Field(256, ge=1)
-    """Keep-alive connection pool size per replica."""
-
-
-class ScrapeConfig(Section):
-    interval_ms: float = Field(100.0, gt=0)
-    """How often each engine's /metrics is scraped."""
-    stale_after_ms: float = Field(2000.0, gt=0)
-    """Scraped numbers older than this are ignored (the router's own in-flight counts still apply)."""
-
-
-class IndexConfig(Section):
-    max_entries: int = Field(5_000_000, ge=1)
-    """Cap on (block, replica) holdings; least recently matched chains are evicted first."""
-    predicted_ttl_s: float = Field(2.0, ge=0)
-    """Blocks of a just-routed prompt count as held ("predicted") on that replica for this long, or until confirmed."""
-    replay_timeout_s: float = Field(2.0, gt=0)
-    """How long a replay request may take before the replica is purged instead."""
-
-
-class TenantsConfig(Section):
-    api_keys: dict[str, str] = Field(default_factory=dict)
-    """API key → tenant name. When this or keys_file is set, every request needs a valid key (else 401)."""
-    keys_file: str | None = None
-    """File of ``sha256hex tenant`` lines (hashed keys), re-read on reload."""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.api_keys) or self.keys_file is not None
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt the model takes, in tokens; longer prompts get 400 before they are forwarded. When unset, the
+    largest ``max_model_len`` its replicas report in /v1/models (vLLM does)."""
 
 
 class CostPolicyConfig(Section):
@@ -157,6 +55,14 @@ class CostPolicyConfig(Section):
     interference_weight: float = Field(1.0, ge=0)
     """Weight of the delay a candidate's prefill imposes on the other requests arriving at that replica while it runs
     (arrival rate × prefill² / 2), added to its predicted TTFT when candidates are compared; 0 compares TTFT alone."""
+    eviction_weight: float = Field(1.0, ge=0)
+    """Weight of the prefill the fleet is expected to lose to the evictions a candidate's new blocks cause on a full
+    replica (the tokens beyond its free room × its cache's value per token at the margin), added when candidates are
+    compared; 0 ignores cache capacity."""
+    decode_stall_weight: float = Field(1.0, ge=0)
+    """In a fleet with prefill replicas: weight of the stall a candidate's prefill puts on the sequences decoding on
+    its replica (running decodes × prefill ms: with chunked prefill each of them waits for it), added when candidates
+    are compared. What disaggregation avoids; 0 compares TTFT alone."""
 
 
 class PrefixAffinityConfig(Section):
@@ -204,6 +110,20 @@ class TransferConfig(Section):
     """Timeout of the prefill-only first leg on the source; on expiry the destination recomputes."""
 
 
+class DisaggregationConfig(Section):
+    """Prefill/decode disaggregation: when a request's prefill runs on a ``prefill``-role replica and its KV moves to
+    the replica that decodes it (docs/disaggregation.md). Without a prefill replica, nothing is disaggregated."""
+
+    mode: Literal["cost", "always", "threshold"] = "cost"
+    """cost: per request, whichever of local prefill and disaggregation the cost model prices lower (TTFT plus the
+    stall a local prefill puts on running decodes); always: every request is disaggregated (the static peers' rule);
+    threshold: disaggregated when its uncached prompt tokens reach ``threshold_tokens`` (llm-d's selective P/D).
+    Every mode picks the prefill replica by its predicted prefill (cache-aware) and the decode replica by load."""
+    threshold_tokens: int = Field(256, ge=0)
+    """``threshold`` mode: uncached prompt tokens (on the replica that would serve the request locally) at or above
+    which a request is disaggregated."""
+
+
 class ReplicationConfig(Section):
     enabled: bool = True
     """Warm hot prefixes on more replicas (whatever the policy; the warmed replicas pay off under ``cost``, which
@@ -220,71 +140,3 @@ class ReplicationConfig(Section):
     """Prefixes shorter than this are never replicated (recompute is cheap)."""
     warmup_timeout_s: float = Field(30.0, gt=0)
     """A started warm-up blocks further warm-ups of its prefix until its target holds it or this long passed."""
-
-
-class KvgateConfig(Section):
-    """The whole policy file."""
-
-    server: ServerConfig = ServerConfig()
-    replicas: list[ReplicaConfig] = Field(default_factory=list)
-    """The engine replicas (more can be added at runtime through /admin/replicas)."""
-    models: list[ModelConfig] = Field(default_factory=list)
-    """Per-model tokenizer, block size, weight version and cost constants."""
-    health: HealthConfig = HealthConfig()
-    breaker: BreakerConfig = BreakerConfig()
-    proxy: ProxyConfig = ProxyConfig()
-    scrape: ScrapeConfig = ScrapeConfig()
-    index: IndexConfig = IndexConfig()
-    tenants: TenantsConfig = TenantsConfig()
-    policy: PolicyConfig = PolicyConfig()
-    calibration: CalibrationConfig = CalibrationConfig()
-    transfer: TransferConfig = TransferConfig()
-    replication: ReplicationConfig = ReplicationConfig()
-
-    @model_validator(mode="after")
-    def _unique_names(self) -> "KvgateConfig":
-        names = [r.name for r in self.replicas]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ValueError(f"replicas: duplicate name(s) {sorted(dup)}")
-        models = [m.name for m in self.models]
-        if len(set(models)) != len(models):
-            raise ValueError("models: duplicate model name")
-        return self
-
-    def model(self, name: str) -> ModelConfig | None:
-        return next((m for m in self.models if m.name == name), None)
-
-
-class ConfigError(Exception):
-    """A policy file that cannot be used; the message names the field and the problem."""
-
-
-def format_validation_error(err: ValidationError) -> str:
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        parts.append(f"{loc}: {e['msg']}")
-    return "; ".join(parts)
-
-
-def parse_config(text: str, source: str = "<policy file>") -> KvgateConfig:
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: top level must be a mapping")
-    try:
-        return KvgateConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(f"{source}: {format_validation_error(e)}") from e
-
-
-def load_config(path: str | Path) -> KvgateConfig:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read: {e}") from e
-    return parse_config(text, str(p))

@@ -6,11 +6,13 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
-from policies.base import Decision, ReplicaView, RouteRequest
-from policies.config import CostPolicyConfig
-from policies.cost_model import CostModel, Estimate, TransferEstimate
-from policies.explain import replica_numbers
-from policies.load import eligible, replica_load
+from kvgate.policies.base import Decision, ReplicaView, RouteRequest
+from kvgate.policies.capacity import eviction_ms
+from kvgate.policies.config import CostPolicyConfig, DisaggregationConfig
+from kvgate.policies.cost_model import CostModel, Estimate, TransferEstimate
+from kvgate.policies.disaggregation import decode_target, has_prefill_replicas, prefill_candidates
+from kvgate.policies.explain import replica_numbers
+from kvgate.policies.load import eligible, expected_arrival_rates, replica_load
 
 
 @dataclass(slots=True)
@@ -19,13 +21,37 @@ class _Candidate:
     """The replica that serves the request (the transfer's destination for a transfer)."""
     ttft_ms: float
     score_ms: float
-    """What candidates are compared on: ``ttft_ms`` plus ``interference_ms`` (weighted), minus the session bonus."""
+    """What candidates are compared on: ``ttft_ms`` plus ``interference_ms`` and ``eviction_ms`` (weighted), minus
+    the session bonus."""
     work_ms: float
     """Prefill the fleet spends on this candidate (uncached tokens; for a transfer, the source's leg)."""
     interference_ms: float
     """Delay ``work_ms`` imposes on other requests arriving where it runs (:meth:`CostModel.interference_ms`)."""
+    eviction_ms: float
+    """Prefill the fleet loses to what the candidate's new blocks evict (:func:`policies.capacity.eviction_ms`)."""
     load: int
     transfer: TransferEstimate | None = None
+    """The handoff: a warm transfer's, or a disaggregated request's (``disaggregated``)."""
+    stall_ms: float = 0.0
+    """Delay the candidate's prefill puts on the sequences decoding where it runs (fleets with prefill replicas)."""
+    disaggregated: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        """One alternative for explain."""
+        row: dict[str, object] = {
+            "kind": "disaggregated" if self.disaggregated else "transfer" if self.transfer else "local",
+            "replica": self.view.name,
+            "decoding": CostModel.decoding(self.view),
+            "predicted_ttft_ms": self.ttft_ms,
+            "interference_ms": self.interference_ms,
+            "decode_stall_ms": self.stall_ms,
+            "eviction_ms": self.eviction_ms,
+            "score_ms": self.score_ms,
+        }
+        if self.transfer is not None:
+            row["prefill_replica" if self.disaggregated else "source"] = self.transfer.source
+            row["handoff"] = self.transfer.as_dict()
+        return row
 
 
 class CostPolicy:
@@ -36,7 +62,10 @@ class CostPolicy:
     at that replica while it runs (``interference_weight`` × :meth:`CostModel.interference_ms`): what the benchmark
     and the fleet's users feel is the mean TTFT over all requests, not this one's alone. Without it, a request
     whose holder is briefly busy recomputes a long prefix on an idle replica to save itself a few milliseconds and
-    holds up that replica's next arrivals for far longer. Pick the minimum. A transfer from a routable source never
+    holds up that replica's next arrivals for far longer. Also added (``eviction_weight``): the prefill the fleet will
+    lose to the evictions the candidate's new blocks cause on a full replica (:mod:`policies.capacity`) — a second
+    copy of a long document is not free when it displaces another document someone will ask for again. Pick the
+    minimum. A transfer from a routable source never
     beats routing to that source (its first leg waits in the same queue); it wins when the warm replica takes no new
     requests — a drained replica's long prefix is pulled instead of recomputed — and loses to recompute for short
     prefixes, where link setup dominates.
@@ -52,6 +81,14 @@ class CostPolicy:
     replica holds more of it, but waiting there costs more than recomputing here); ``cold`` (no routable replica
     holds any of it); ``session`` (the session bonus alone made the choice).
 
+    In a fleet with ``prefill``-role replicas (docs/disaggregation.md), each local candidate also pays the stall its
+    prefill puts on the sequences decoding there (``decode_stall_weight`` × :meth:`CostModel.decode_stall_ms`), and
+    each routable prefill replica adds a disaggregated candidate: prefill there (cache-aware), hand the KV to the
+    decode replica chosen by load (:mod:`policies.disaggregation`), priced by :meth:`CostModel.handoff_estimate`.
+    ``disaggregation.mode`` says which compete: all (``cost``), only the disaggregated (``always``), or by the
+    uncached tokens on the best local replica (``threshold``). Reasons there: ``disaggregated`` or ``local`` (and
+    ``transfer``).
+
     Parameters (``policy.cost``):
         tie_margin: 0.05 — near-tie fraction of the best predicted TTFT.
         tie_margin_ms: 5 — absolute near-tie margin, so millisecond differences do not split hairs.
@@ -60,16 +97,24 @@ class CostPolicy:
         approximate_match_weight: 0.5 — matches from approximate token ids are credited at this fraction, and
             approximate requests are never transferred (the prefix they would move may not be theirs).
         interference_weight: 1 — weight of the delay a candidate's prefill imposes on its replica's other arrivals.
+        eviction_weight: 1 — weight of the prefill lost to what a candidate's new blocks evict.
+        decode_stall_weight: 1 — weight of the stall a local prefill puts on running decodes (fleets with prefill
+            replicas only).
+        disaggregation: ``mode`` (cost, always, threshold) and ``threshold_tokens``.
         cost_model: the prefill / queue / transfer estimates (its coefficients may be swapped by calibration).
         rng: the tie-break randomness (unseeded by default, so separate routers break ties differently).
     """
 
     name: ClassVar[str] = "cost"
 
-    def __init__(self, config: CostPolicyConfig, cost_model: CostModel, rng: random.Random) -> None:
+    def __init__(
+        self, config: CostPolicyConfig, cost_model: CostModel, rng: random.Random,
+        disaggregation: DisaggregationConfig = DisaggregationConfig(),
+    ) -> None:
         self.config = config
         self.cost_model = cost_model
         self._rng = rng
+        self.disaggregation = disaggregation
 
     def decide(self, request: RouteRequest, replicas: Sequence[ReplicaView], explain: bool = False) -> Decision:
         cfg = self.config
@@ -78,15 +123,25 @@ class CostPolicy:
         weight = cfg.approximate_match_weight if request.approximate else 1.0
         queues = {v.name: model.queue_delay_ms(v) for v in views}
         estimates = {v.name: model.estimate(request, v, weight, queues[v.name]) for v in views}
+        rates = expected_arrival_rates(views, {name: e.cached_tokens for name, e in estimates.items()})
+        split = has_prefill_replicas(replicas)
         candidates = []
         for v in views:
-            work = estimates[v.name].prefill_ms
-            candidates.append(self._candidate(v, estimates[v.name].ttft_ms, work, self._interference(v, work), None))
+            e = estimates[v.name]
+            candidates.append(self._candidate(
+                v, e.ttft_ms, e.prefill_ms, self._interference(rates[v.name], e.prefill_ms),
+                self._eviction(v, e.new_tokens), None, self._stall(v, e.prefill_ms) if split else 0.0,
+            ))
         source = None
         if model.transfer_enabled and not request.approximate:
             source = self._transfer_source(replicas, queues)
         if source is not None:
-            candidates += self._transfer_candidates(request, source, views, estimates, queues)
+            candidates += self._transfer_candidates(request, source, views, estimates, queues, rates)
+        alternatives = candidates
+        if split:
+            disaggregated = self._disaggregated_candidates(request, replicas, views, queues, rates)
+            alternatives = candidates + disaggregated
+            candidates = self._by_mode(candidates, disaggregated, estimates)
 
         best_score = min(c.score_ms for c in candidates)
         margin = max(best_score * cfg.tie_margin, cfg.tie_margin_ms)
@@ -99,13 +154,19 @@ class CostPolicy:
             near = [c for c in near if c.transfer is None]
         chosen = self._rng.choice(near)
 
+        details: dict[str, object] = {}
+        if explain:
+            details = self._details(request, replicas, views, estimates, candidates, chosen, source, queues, rates)
+            if split:
+                details["disaggregation"] = self._split_details(replicas, alternatives, queues)
         return Decision(
             replica=chosen.view.name,
-            action="route" if chosen.transfer is None else "transfer",
-            reason=self._reason(chosen, candidates, estimates, margin),
+            action="disaggregate" if chosen.disaggregated else "route" if chosen.transfer is None else "transfer",
+            reason=self._reason(chosen, candidates, estimates, margin, split),
             source=chosen.transfer.source if chosen.transfer else None,
-            ranked=self._ranked(chosen, candidates),
-            details=self._details(request, views, estimates, candidates, chosen, source, queues) if explain else {},
+            # a failed decode leg is retried elsewhere as a local prefill: the others are ranked by their local scores
+            ranked=self._ranked(chosen, [c for c in alternatives if not c.disaggregated] if split else candidates),
+            details=details,
         )
 
     def _candidate(
@@ -114,20 +175,84 @@ class CostPolicy:
         ttft_ms: float,
         work_ms: float,
         interference_ms: float,
+        eviction: float,
         transfer: TransferEstimate | None,
+        stall_ms: float = 0.0,
+        disaggregated: bool = False,
     ) -> _Candidate:
-        bonus = self.config.session_bonus_ms if view.last_session_match else 0.0
-        score = ttft_ms + self.config.interference_weight * interference_ms - bonus
-        return _Candidate(view, ttft_ms, score, work_ms, interference_ms, replica_load(view), transfer)
+        cfg = self.config
+        bonus = cfg.session_bonus_ms if view.last_session_match else 0.0
+        score = (ttft_ms + cfg.interference_weight * interference_ms + cfg.eviction_weight * eviction
+                 + cfg.decode_stall_weight * stall_ms - bonus)
+        return _Candidate(
+            view, ttft_ms, score, work_ms, interference_ms, eviction, replica_load(view), transfer, stall_ms,
+            disaggregated,
+        )
 
-    def _interference(self, view: ReplicaView, work_ms: float) -> float:
-        return self.cost_model.interference_ms(view, work_ms) if self.config.interference_weight else 0.0
+    def _stall(self, view: ReplicaView, work_ms: float) -> float:
+        return self.cost_model.decode_stall_ms(view, work_ms) if self.config.decode_stall_weight else 0.0
+
+    def _disaggregated_candidates(
+        self,
+        request: RouteRequest,
+        replicas: Sequence[ReplicaView],
+        views: list[ReplicaView],
+        queues: dict[str, float],
+        rates: dict[str, float],
+    ) -> list[_Candidate]:
+        """Prefill on each prefill replica that may (its queue, then the prompt tokens it lacks: cache-aware), hand
+        the KV to the decode replica (:func:`policies.disaggregation.decode_target`). The prefill replica's prefill
+        holds up its own next arrivals (interference) but no decodes; the decode replica's admission step stalls
+        its running decodes for one step."""
+        decode = decode_target(views)
+        if decode is None:
+            return []
+        found = []
+        for prefill in prefill_candidates(replicas, decode):
+            if prefill.name not in queues:
+                queues[prefill.name] = self.cost_model.queue_delay_ms(prefill)
+            estimate = self.cost_model.handoff_estimate(
+                request, prefill, decode, queues[prefill.name], queues[decode.name]
+            )
+            interference = self._interference(prefill.arrival_rate_per_s, estimate.source_prefill_ms) + (
+                self._interference(rates[decode.name], estimate.dest_step_ms)
+            )
+            found.append(self._candidate(
+                decode, estimate.ms, estimate.source_prefill_ms + estimate.dest_step_ms, interference,
+                self._eviction(decode, estimate.tokens), estimate, self._stall(decode, estimate.dest_step_ms), True,
+            ))
+        return found
+
+    def _by_mode(
+        self, candidates: list[_Candidate], disaggregated: list[_Candidate], estimates: dict[str, Estimate]
+    ) -> list[_Candidate]:
+        """The alternatives the mode lets compete: all of them (``cost``); only the disaggregated ones (``always``);
+        or, for ``threshold``, the disaggregated ones when the uncached tokens on the best local replica reach
+        ``threshold_tokens``, else the local ones. With no prefill replica routable, the local ones."""
+        mode = self.disaggregation.mode
+        if not disaggregated:
+            return candidates
+        if mode == "always":
+            return disaggregated
+        if mode == "threshold":
+            local = min(candidates, key=lambda c: c.score_ms)
+            if estimates[local.view.name].new_tokens >= self.disaggregation.threshold_tokens:
+                return disaggregated
+            return candidates
+        return candidates + disaggregated
+
+    def _interference(self, arrival_rate_per_s: float, work_ms: float) -> float:
+        return self.cost_model.interference_ms(arrival_rate_per_s, work_ms) if self.config.interference_weight else 0.0
+
+    def _eviction(self, view: ReplicaView, new_tokens: int) -> float:
+        return eviction_ms(view, new_tokens) if self.config.eviction_weight else 0.0
 
     def _transfer_source(self, replicas: Sequence[ReplicaView], queues: dict[str, float]) -> ReplicaView | None:
         """The replica holding the longest prefix among those that can serve a first leg (least queued on a tie),
-        routable or not: a draining replica's cache is still there to be pulled. Its queue delay is added to
+        routable or not: a draining replica's cache is still there to be pulled. Only a replica of role ``both``:
+        a decode replica never runs a first leg, and a prefill replica's are priced as disaggregation. Its queue delay is added to
         ``queues`` when the policy did not already compute it (it is not a routing candidate)."""
-        sources = [v for v in replicas if v.can_source and v.match.total > 0]
+        sources = [v for v in replicas if v.can_source and v.match.total > 0 and v.role == "both"]
         if not sources:
             return None
         for v in sources:
@@ -142,6 +267,7 @@ class CostPolicy:
         views: list[ReplicaView],
         estimates: dict[str, Estimate],
         queues: dict[str, float],
+        rates: dict[str, float],
     ) -> list[_Candidate]:
         """Pull ``source``'s prefix to each other routable replica, where that beats serving there by recompute.
 
@@ -160,17 +286,24 @@ class CostPolicy:
             )
             if estimate is not None and estimate.ms < estimates[dest.name].ttft_ms:
                 work = estimate.source_prefill_ms + estimate.dest_step_ms
-                interference = self._interference(source, estimate.source_prefill_ms) + self._interference(
-                    dest, estimate.dest_step_ms
+                source_rate = rates.get(source.name, source.arrival_rate_per_s)  # a draining source is not eligible
+                interference = self._interference(source_rate, estimate.source_prefill_ms) + self._interference(
+                    rates[dest.name], estimate.dest_step_ms
                 )
-                found.append(self._candidate(dest, estimate.ms, work, interference, estimate))
+                eviction = self._eviction(dest, estimate.tokens)
+                found.append(self._candidate(dest, estimate.ms, work, interference, eviction, estimate))
         return found
 
     def _reason(
-        self, chosen: _Candidate, candidates: list[_Candidate], estimates: dict[str, Estimate], margin: float
+        self, chosen: _Candidate, candidates: list[_Candidate], estimates: dict[str, Estimate], margin: float,
+        split: bool,
     ) -> str:
+        if chosen.disaggregated:
+            return "disaggregated"
         if chosen.transfer is not None:
             return "transfer"
+        if split:
+            return "local"
         if chosen.view.last_session_match:
             unhinted = chosen.score_ms + self.config.session_bonus_ms
             others = [c.score_ms for c in candidates if c is not chosen]
@@ -194,23 +327,47 @@ class CostPolicy:
     def _details(
         self,
         request: RouteRequest,
+        fleet: Sequence[ReplicaView],
         views: list[ReplicaView],
         estimates: dict[str, Estimate],
         candidates: list[_Candidate],
         chosen: _Candidate,
         source: ReplicaView | None,
         queues: dict[str, float],
+        rates: dict[str, float],
     ) -> dict[str, object]:
         """Per-replica rows for the routing candidates, plus the transfer source's when it is not one of them
-        (draining: its queue and cache are what the transfers were priced from)."""
-        replicas = {v.name: replica_numbers(v, estimates[v.name]) for v in views}
-        if source is not None and source.name not in replicas:
-            estimate = self.cost_model.estimate(request, source, queue_delay_ms=queues[source.name])
-            replicas[source.name] = replica_numbers(source, estimate)
+        (draining: its queue and cache are what the transfers were priced from) and the prefill replicas'."""
+        replicas = {v.name: replica_numbers(v, estimates[v.name], rates[v.name]) for v in views}
+        # the transfer source and the prefill replicas are not routing candidates: their rows price a prefill there
+        others = [source] if source is not None else []
+        others += [v for v in fleet if v.role == "prefill"]
+        for other in others:
+            if other.name not in replicas:
+                estimate = self.cost_model.estimate(request, other, queue_delay_ms=queues.get(other.name))
+                replicas[other.name] = replica_numbers(other, estimate, other.arrival_rate_per_s)
         details: dict[str, object] = {"replicas": replicas}
-        transfers = [c.transfer.as_dict() for c in candidates if c.transfer is not None]
+        transfers = [c.transfer.as_dict() for c in candidates if c.transfer is not None and not c.disaggregated]
         if transfers:
             details["transfers"] = transfers
         if chosen.transfer is not None:
             details["transfer"] = chosen.transfer.as_dict()
         return details
+
+    def _split_details(
+        self, replicas: Sequence[ReplicaView], alternatives: list[_Candidate], queues: dict[str, float]
+    ) -> dict[str, object]:
+        """Every alternative with its numbers, whether the mode let it compete or not: each local one (prefill where
+        it decodes, with the stall that puts on the decodes running there), each warm transfer, and each
+        disaggregated one (prefill on a prefill replica, decode on the decode replica)."""
+        decode = next((c.view.name for c in alternatives if c.disaggregated), None)
+        return {
+            "mode": self.disaggregation.mode,
+            "threshold_tokens": self.disaggregation.threshold_tokens,
+            "decode_replica": decode,
+            "prefill_replicas": {
+                v.name: {"healthy": v.healthy, "queue_delay_ms": queues.get(v.name), "cached_tokens": v.match.total}
+                for v in replicas if v.role == "prefill"
+            },
+            "alternatives": [c.as_dict() for c in alternatives],
+        }

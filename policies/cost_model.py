@@ -1,6 +1,6 @@
 """The service model behind the ``cost`` policy: what a request's time to first token will be on each replica.
 
-DESIGN.md ("The decision"): ``ttft(r) = queue_delay(r) + load of lower-tier hits + prefill_ms(uncached tokens)``.
+docs/design.md ("The decision"): ``ttft(r) = queue_delay(r) + load of lower-tier hits + prefill_ms(uncached tokens)``.
 Everything here is arithmetic on a :class:`ReplicaView` snapshot, cheap enough to run for every replica on every
 request. The prefill coefficients are the policy file's (per model) and are swapped by the router when
 :class:`policies.calibration.Calibrator` refines them (assign :attr:`CostModel.prefill`).
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from policies.base import ReplicaView, RouteRequest
-from policies.config import KvgateConfig, ModelConfig, PrefillCost, TransferConfig
+from kvgate.policies.base import ReplicaView, RouteRequest
+from kvgate.policies.config import ModelConfig, PolicyConfig, PrefillCost, TransferConfig
 
 GIB = 1024**3
 
@@ -30,6 +30,8 @@ class Estimate:
     cached_tokens: int
     """Prompt tokens credited as cached (after the approximate-match weight), all tiers."""
     cached_tokens_by_tier: dict[str, int]
+    new_tokens: int = 0
+    """Prompt tokens the replica computes and stores (not credited as cached)."""
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -113,10 +115,9 @@ class CostModel:
         self.default_prompt_tokens = default_prompt_tokens
 
     @classmethod
-    def from_config(cls, config: KvgateConfig, model: str | None = None) -> "CostModel":
-        """The cost model of ``model`` (its ``models[]`` entry, else the first model, else the defaults)."""
-        chosen = (config.model(model) if model is not None else None) or next(iter(config.models), ModelConfig(name=""))
-        return cls(chosen.prefill, config.policy.tier_load_ms_per_token, config.transfer, chosen.kv_bytes_per_token)
+    def from_config(cls, model: ModelConfig, policy: PolicyConfig, transfer: TransferConfig) -> "CostModel":
+        """The cost model of ``model``'s constants, with the policy's lower-tier load costs and the KV link's."""
+        return cls(model.prefill, policy.tier_load_ms_per_token, transfer, model.kv_bytes_per_token)
 
     @property
     def transfer_enabled(self) -> bool:
@@ -168,16 +169,31 @@ class CostModel:
         return delay
 
     @staticmethod
-    def interference_ms(view: ReplicaView, work_ms: float) -> float:
-        """Delay that ``work_ms`` of prefill started on ``view``'s replica now adds to the other requests arriving
-        there while it runs: ``λ·work²/2`` (λ = the replica's arrival rate; each of the ``λ·work`` arrivals waits half
-        of it on average, the residual-work term of an M/G/1 queue).
+    def decoding(view: ReplicaView) -> int:
+        """Sequences decoding on ``view``'s replica: the engine's scraped running requests (the router's own still
+        prefilling aside), else the router's own past their first token."""
+        prefilling = view.in_flight_prefilling
+        running = view.scraped_running if view.scraped_running is not None else view.in_flight
+        return max(running - prefilling, 0)
+
+    @classmethod
+    def decode_stall_ms(cls, view: ReplicaView, work_ms: float) -> float:
+        """Delay that ``work_ms`` of prefill started on a replica adds to the sequences decoding there: with chunked
+        prefill every step that carries a chunk takes that chunk's time, so each running sequence waits the whole
+        prefill, once. What prefill/decode disaggregation exists to avoid."""
+        return cls.decoding(view) * work_ms
+
+    @staticmethod
+    def interference_ms(arrival_rate_per_s: float, work_ms: float) -> float:
+        """Delay that ``work_ms`` of prefill started on a replica now adds to the other requests arriving there while
+        it runs: ``λ·work²/2`` (λ = the replica's expected arrival rate, :func:`policies.load.expected_arrival_rates`;
+        each of the ``λ·work`` arrivals waits half of it on average, the residual-work term of an M/G/1 queue).
 
         The request's own TTFT does not show this cost, the fleet's mean TTFT does: recomputing a 4,000-token prefix
         (~160 ms) on a replica taking 2.5 requests/s holds up its next arrivals by ~30 ms in total, while a
         warm 250-token prefill there costs them ~1 ms.
         """
-        return view.arrival_rate_per_s * work_ms * work_ms / 2000.0
+        return arrival_rate_per_s * work_ms * work_ms / 2000.0
 
     def estimate(
         self,
@@ -212,6 +228,7 @@ class CostModel:
             ttft_ms=queue_ms + load_ms + prefill,
             cached_tokens=cached,
             cached_tokens_by_tier={"gpu": gpu, "cpu": cpu, "storage": storage},
+            new_tokens=request.prompt_tokens - cached,
         )
 
     def _load_ms(self, cpu_tokens: int, storage_tokens: int) -> float:
@@ -242,11 +259,26 @@ class CostModel:
         if not self.transfer_enabled or not source.can_source or source.name == dest.name:
             return None
         room = max(request.prompt_tokens - 1, 0)
-        source_cached = min(source.match.total, room)
-        dest_cached = min(dest.match.total, room)
-        saved = source_cached - dest_cached
+        saved = min(source.match.total, room) - min(dest.match.total, room)
         if saved <= 0 or saved < self.transfer.min_tokens:
             return None
+        return self.handoff_estimate(request, source, dest, source_queue_ms, dest_queue_ms)
+
+    def handoff_estimate(
+        self,
+        request: RouteRequest,
+        source: ReplicaView,
+        dest: ReplicaView,
+        source_queue_ms: float | None = None,
+        dest_queue_ms: float | None = None,
+    ) -> TransferEstimate:
+        """Predicted TTFT of prefilling ``request`` on ``source`` (its queue, then the tokens it lacks, lower tiers
+        credited at their load cost) and handing the KV to ``dest`` (link setup + the bytes of every token ``dest``
+        lacks / bandwidth, then ``dest``'s queue and one engine step): a warm transfer's price, and a disaggregated
+        request's (``source`` a prefill replica that may hold nothing)."""
+        room = max(request.prompt_tokens - 1, 0)
+        source_cached = min(source.match.total, room)
+        dest_cached = min(dest.match.total, room)
         src_queue = self.queue_delay_ms(source) if source_queue_ms is None else source_queue_ms
         dst_queue = self.queue_delay_ms(dest) if dest_queue_ms is None else dest_queue_ms
         source_prefill = self._load_ms(source.match.cpu, source.match.storage) + self.prefill_ms(
@@ -260,7 +292,7 @@ class CostModel:
             source=source.name,
             dest=dest.name,
             tokens=tokens,
-            saved_tokens=saved,
+            saved_tokens=max(source_cached - dest_cached, 0),
             bytes=nbytes,
             source_queue_ms=src_queue,
             source_prefill_ms=source_prefill,

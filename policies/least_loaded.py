@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import ClassVar, Sequence
 
-from policies.base import Decision, ReplicaView, RouteRequest
-from policies.load import eligible, least_loaded, rank_by_load, replica_load
+from kvgate.policies.base import Decision, ReplicaView, RouteRequest
+from kvgate.policies.load import eligible, least_loaded, rank_by_load, replica_load
 
 
 class LeastLoadedPolicy:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from typing import ClassVar, Sequence
 
-from policies.base import Decision, ReplicaView, RouteRequest
-from policies.config import PrefixAffinityConfig
-from policies.load import eligible, least_loaded, rank_by_load, replica_load
+from kvgate.policies.base import Decision, ReplicaView, RouteRequest
+from kvgate.policies.config import PrefixAffinityConfig
+from kvgate.policies.load import eligible, least_loaded, rank_by_load, replica_load
 
 
 class PrefixAffinityPolicy:

@@ -9,13 +9,15 @@ transfer when that is cheaper — and let the cost policy spread the traffic fro
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Hashable, Literal, Sequence
 
-from policies.base import ReplicaView
-from policies.config import ReplicationConfig
-from policies.cost_model import CostModel
-from policies.rate import DecayedRate
+from kvgate.policies.base import ReplicaView
+from kvgate.policies.capacity import CacheMargin, HeldPrefix, cache_margin, eviction_ms
+from kvgate.policies.config import ReplicationConfig
+from kvgate.policies.cost_model import CostModel
+from kvgate.policies.rate import DecayedRate
 
 RETIRE_FRACTION = 0.5
 """Hysteresis: warmed replicas are retired once the saving falls below this fraction of ``min_saving_ms_per_s``."""
@@ -58,6 +60,7 @@ class _Prefix:
     tokens: int
     rate: DecayedRate
     holders: frozenset[str]
+    last_used_s: float
     warmed: set[str] = field(default_factory=set)
     """Replicas this planner warmed for the prefix, reported by :meth:`HotPrefixTracker.retire` when it cools."""
     pending: tuple[str, float] | None = None
@@ -70,11 +73,15 @@ class HotPrefixTracker:
     Rate: a :class:`policies.rate.DecayedRate` of the prefix's requests (half-life ``half_life_s``).
     Heat: ``rate × (prefill_ms(prefix) − fixed_ms)`` — the prefill every request avoids when it lands on a holder.
 
+    The same rates, with each prefix's last request time, tell what each replica's cache is worth at the margin
+    (:meth:`cache_margins`), so the tracker records prefixes whether or not replication is enabled.
+
     A prefix gets one more replica when all of these hold:
 
     * heat ≥ ``min_saving_ms_per_s`` and the prefix has ≥ ``min_prefix_tokens`` tokens;
-    * every healthy holder's queue delay exceeds the best non-holder's ``queue delay + prefill_ms(prefix)`` (the
-      holders are the bottleneck: requests would rather recompute elsewhere than wait);
+    * every healthy holder's queue delay exceeds the best non-holder's ``queue delay + prefill_ms(prefix)`` plus the
+      prefill lost to what the copy evicts there (:func:`policies.capacity.eviction_ms`; the holders are the
+      bottleneck: requests would rather recompute elsewhere than wait);
     * routable holders (as the prefix index reports them) < ``max_replicas_per_prefix``: a draining holder keeps
       its cache in the index (a transfer may pull it) but serves none of the prefix's traffic;
     * no warm-up of this prefix is in flight (until its target shows up as a holder, the router reports it
@@ -104,17 +111,19 @@ class HotPrefixTracker:
 
     def record(self, prefix_key: PrefixKey, prefix_tokens: int, holders: set[str] | frozenset[str], now: float) -> None:
         """One request matched this prefix, held by ``holders`` (from the prefix index) at time ``now`` (s)."""
-        if not self.config.enabled or prefix_tokens <= 0:
+        if prefix_tokens <= 0:
             return
         entry = self._prefixes.get(prefix_key)
         if entry is None:
             if len(self._prefixes) >= MAX_TRACKED:
                 self._forget_coldest(now)
-            entry = _Prefix(tokens=prefix_tokens, rate=DecayedRate(self.config.half_life_s), holders=frozenset(holders))
+            entry = _Prefix(tokens=prefix_tokens, rate=DecayedRate(self.config.half_life_s), holders=frozenset(holders),
+                            last_used_s=now)
             self._prefixes[prefix_key] = entry
         entry.rate.add(now)
         entry.tokens = prefix_tokens
         entry.holders = frozenset(holders)
+        entry.last_used_s = max(entry.last_used_s, now)
         if entry.pending is not None and entry.pending[0] in entry.holders:
             entry.pending = None
 
@@ -131,6 +140,24 @@ class HotPrefixTracker:
     def heat_ms_per_s(self, prefix_key: PrefixKey, cost_model: CostModel, now: float) -> float:
         entry = self._prefixes.get(prefix_key)
         return 0.0 if entry is None else self._heat(entry, cost_model, now)
+
+    def cache_margins(
+        self, holds: Callable[[str, PrefixKey], bool], cost_model: CostModel, now: float
+    ) -> dict[str, CacheMargin]:
+        """Per replica, its cache's value at the margin (:func:`policies.capacity.cache_margin`) from the tracked
+        prefixes it still holds. ``holds(replica, key)`` is the prefix index's answer: the holders recorded with a
+        prefix are as of its last request, and the replica may have evicted it since."""
+        held: dict[str, list[HeldPrefix]] = {}
+        for key, entry in self._prefixes.items():
+            holders = [h for h in entry.holders if holds(h, key)]
+            if not holders:
+                continue
+            prefix = HeldPrefix(entry.tokens, entry.rate.per_s(now), entry.last_used_s, len(holders))
+            for h in holders:
+                held.setdefault(h, []).append(prefix)
+        per_token = cost_model.prefill.per_token_ms
+        margins = {name: cache_margin(prefixes, per_token, now) for name, prefixes in held.items()}
+        return {name: margin for name, margin in margins.items() if margin is not None}
 
     def retire(self, cost_model: CostModel, now: float) -> list[Retired]:
         """Stop counting warmed replicas of prefixes that cooled down; forget prefixes nobody asks for."""
@@ -153,6 +180,7 @@ class HotPrefixTracker:
             return []
         self._refill(now)
         queues = {v.name: cost_model.queue_delay_ms(v) for v in views if v.healthy}
+        by_name = {v.name: v for v in views}
         hot = []
         for key, entry in self._prefixes.items():
             heat = self._heat(entry, cost_model, now)
@@ -161,7 +189,7 @@ class HotPrefixTracker:
         hot.sort(key=lambda item: item[0], reverse=True)
         warmups = []
         for heat, key, entry in hot:
-            warmup = self._plan_one(key, entry, heat, queues, cost_model, now)
+            warmup = self._plan_one(key, entry, heat, queues, by_name, cost_model, now)
             if warmup is not None:
                 warmups.append(warmup)
         return warmups
@@ -172,6 +200,7 @@ class HotPrefixTracker:
         entry: _Prefix,
         heat: float,
         queues: dict[str, float],
+        views: Mapping[str, ReplicaView],
         cost_model: CostModel,
         now: float,
     ) -> Warmup | None:
@@ -189,17 +218,20 @@ class HotPrefixTracker:
             return None
         source = min(holders, key=lambda h: queues[h])
         recompute = cost_model.prefill_ms(entry.tokens)
-        targets = [n for n in queues if n not in entry.holders]
+        targets = [n for n in queues if n not in entry.holders and views[n].role != "prefill"]
         if not targets:
             return None
-        target = min(targets, key=lambda n: queues[n])
-        if queues[source] <= queues[target] + recompute:
+        cost = {n: queues[n] + eviction_ms(views[n], entry.tokens) for n in targets}
+        target = min(targets, key=cost.__getitem__)
+        if queues[source] <= cost[target] + recompute:
             return None
         if self._budget_tokens < entry.tokens:
             self.counts[("skipped", "budget")] += 1
             return None
         self._budget_tokens -= entry.tokens
-        via = self._via(entry.tokens, cost_model)
+        # a first leg runs only on a replica of role both: prefill replicas serve disaggregated requests' legs
+        # alone, and decode replicas never run one
+        via = self._via(entry.tokens, cost_model) if views[source].role == "both" else "prefill"
         entry.warmed.add(target)
         entry.pending = (target, now + self.config.warmup_timeout_s)
         self.counts[("started", "hot-prefix")] += 1

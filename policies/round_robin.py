@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Sequence
 
-from policies.base import Decision, ReplicaView, RouteRequest
-from policies.load import eligible
+from kvgate.policies.base import Decision, ReplicaView, RouteRequest
+from kvgate.policies.load import eligible
 
 
 class RoundRobinPolicy:

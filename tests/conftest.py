@@ -11,12 +11,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SHARED = REPO.parent / "shared"
+VECTORS = REPO / "tests" / "vectors"
 
 
 @pytest.fixture(scope="session")
 def vectors_dir() -> Path:
-    d = SHARED / "vectors"
-    if not d.exists():
-        pytest.skip("../shared/vectors not present")
-    return d
+    """The conformance vectors shipped with the repository; a missing one fails the tests that read it."""
+    if not VECTORS.is_dir():
+        pytest.fail(f"conformance vectors missing: {VECTORS}")
+    return VECTORS

@@ -7,16 +7,55 @@ import os
 import signal
 import subprocess
 import sys
+import asyncio
+import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Awaitable, Callable, TypeVar
 
 import httpx
 
-from loadgen.bench import free_port_block
+from kvgate.loadgen.bench import free_port_block
 
-KVGATE = [sys.executable, "-m", "router.cli"]
+KVGATE = [sys.executable, "-m", "kvgate.router.cli"]
 REPO = Path(__file__).resolve().parent.parent
+POLL_S = 0.02
+"""How often the wait helpers look again: short next to any deadline, long enough not to load the machine."""
+
+T = TypeVar("T")
+
+
+def wait_until(
+    probe: Callable[[], T], what: str = "the condition", timeout: float = 15.0, interval: float = POLL_S
+) -> T:
+    """Poll ``probe`` until it returns something truthy and return that; fail naming ``what`` at the deadline.
+    For tests outside an event loop (the loop would not run while this blocks)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+async def wait_until_async(
+    probe: Callable[[], T | Awaitable[T]], what: str = "the condition", timeout: float = 15.0
+) -> T:
+    """:func:`wait_until` for async tests: the event loop runs between polls, and ``probe`` may be a coroutine
+    function (an HTTP request made on the test's own loop)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(POLL_S)
 
 
 @dataclass
@@ -81,6 +120,10 @@ class ManagedProcess:
         self.log.close()
 
 
+PROBE_TOKENS = [3] * 16
+"""One block of a token no test prompt uses: what :meth:`Sim.reset_and_step` computes to make a replica publish."""
+
+
 @dataclass
 class Sim:
     process: ManagedProcess
@@ -97,6 +140,14 @@ class Sim:
 
     def replay_endpoint(self, i: int) -> str:
         return f"tcp://127.0.0.1:{self.zmq_port + 2 * i + 1}"
+
+    def reset_and_step(self, i: int) -> None:
+        """Reset replica i's prefix cache and make it publish: like vLLM, it sends ``AllBlocksCleared`` only with
+        its next scheduler step, so a one-block request follows (its block is all the cache holds afterwards)."""
+        reset = httpx.post(self.url(i) + "/reset_prefix_cache", timeout=2)
+        assert reset.json() == {"success": True}, reset.text  # refused while a request holds blocks
+        body = {"model": "kvgate-sim", "prompt": PROBE_TOKENS, "max_tokens": 1}
+        httpx.post(self.url(i) + "/v1/completions", json=body, timeout=5)
 
     def stop(self) -> None:
         self.process.stop()
@@ -147,3 +198,14 @@ def start_kvgate(tmp_path: Path, config_path: Path, *extra: str, timeout: float 
         proc.stop()
         raise
     return gw
+
+
+def admin_replicas(gw: Gateway, admin_token: str) -> dict[str, dict[str, Any]]:
+    """``GET /admin/replicas``, by name."""
+    resp = httpx.get(gw.url + "/admin/replicas", headers={"Authorization": f"Bearer {admin_token}"}, timeout=5)
+    resp.raise_for_status()
+    return {r["name"]: r for r in resp.json()["data"]}
+
+
+def routable_replicas(gw: Gateway, admin_token: str) -> set[str]:
+    return {name for name, r in admin_replicas(gw, admin_token).items() if r["routable"]}

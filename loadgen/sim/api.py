@@ -18,9 +18,11 @@ from aiohttp import web
 
 from . import faults
 from .block_hash import block_chain
+from .bootstrap import BootstrapFields, parse_fields
 from .engine import RemoteSource, SimRequest, State
 from .errors import ApiError
 from .metrics import CONTENT_TYPE, render
+from .tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from .fleet import Replica
@@ -59,6 +61,8 @@ class Generation:
     kv_transfer_params: dict[str, Any] | None
     request_id: str
     session_id: str | None
+    bootstrap: BootstrapFields | None = None
+    """SGLang's P/D fields (bootstrap host, port, room): this request is one leg of a handoff."""
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -152,8 +156,9 @@ class ReplicaApi:
         return web.Response(body=render(self.replica.registry), headers={"Content-Type": CONTENT_TYPE})
 
     async def reset_prefix_cache(self, request: web.BaseRequest) -> web.StreamResponse:
-        self.replica.engine.reset_prefix_cache()
-        return web.Response(status=200)
+        """vLLM's dev endpoint: ``{"success": false}`` while blocks are in use, unless ``reset_running_requests``."""
+        preempt = _query_bool(request, "reset_running_requests")
+        return json_response({"success": self.replica.engine.reset_prefix_cache(reset_running_requests=preempt)})
 
     # --- sim-only endpoints --------------------------------------------------------------------------------------
     async def sim_requests(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -222,16 +227,14 @@ class ReplicaApi:
         try:
             text = tokenizer.render_chat(
                 messages,
-                _bool(body, "add_generation_prompt", True),
+                add_generation_prompt=_bool(body, "add_generation_prompt", True),
                 continue_final_message=_bool(body, "continue_final_message", False),
                 chat_template=_optional(body, "chat_template", str),
-                tools=_optional(body, "tools", list),
+                tools=_tool_dicts(_optional(body, "tools", list)),
                 documents=_optional(body, "documents", list),
                 chat_template_kwargs=_optional(body, "chat_template_kwargs", dict),
             )
-        except ApiError:
-            raise
-        except Exception as e:  # a template that rejects the conversation (raise_exception, bad roles, ...)
+        except ChatTemplateError as e:  # a template that rejects the conversation (raise_exception, bad roles, ...)
             raise ApiError(f"chat template error: {e}", "messages") from None
         return tokenizer.encode(text, _bool(body, "add_special_tokens", False))
 
@@ -268,13 +271,17 @@ class ReplicaApi:
             raise ApiError("kv_transfer_params must be an object", "kv_transfer_params")
         if ktp and ktp.get("do_remote_decode"):
             max_tokens = 1
+        bootstrap = parse_fields(body)
+        if bootstrap is not None and self.replica.bootstrap.is_prefill_leg(bootstrap):
+            max_tokens = 1
         if len(ids) + max_tokens > p.max_model_len:
             raise ApiError(
                 f"This model's maximum context length is {p.max_model_len} tokens. However, you requested "
                 f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion). "
                 "Please reduce the length of the messages or completion.", "input_tokens")
         return Generation(
-            endpoint, ids, max_tokens, stream, include_usage, salt, ktp, _request_id(request), _session_id(request, body)
+            endpoint, ids, max_tokens, stream, include_usage, salt, ktp, _request_id(request), _session_id(request, body),
+            bootstrap,
         )
 
     async def _serve(self, request: web.BaseRequest, gen: Generation, chat: bool) -> web.StreamResponse:
@@ -284,6 +291,9 @@ class ReplicaApi:
         if ktp.get("do_remote_prefill") and isinstance(ktp.get("remote_engine_id"), str) \
                 and isinstance(ktp.get("remote_request_id"), str):
             remote = RemoteSource(ktp["remote_engine_id"], ktp["remote_request_id"])
+        prefill_leg = gen.bootstrap is not None and replica.bootstrap.is_prefill_leg(gen.bootstrap)
+        if gen.bootstrap is not None and not prefill_leg:
+            remote = await replica.bootstrap.await_kv(gen.bootstrap)
         chain = block_chain(gen.prompt_ids, replica.params.block_size, gen.cache_salt)
         req = SimRequest(
             request_id=replica.next_request_id(),
@@ -294,16 +304,20 @@ class ReplicaApi:
             cache_salt=gen.cache_salt,
             session_id=gen.session_id,
             tail_tokens=gen.prompt_ids[len(chain) * replica.params.block_size :],
-            prefill_only=bool(ktp.get("do_remote_decode")),
+            prefill_only=bool(ktp.get("do_remote_decode")) or prefill_leg,
             remote=remote,
             streaming=gen.stream,
             info={
                 "endpoint": gen.endpoint, "model": replica.params.model, "stream": gen.stream,
                 "cache_salt": gen.cache_salt, "kv_transfer_params_in": gen.kv_transfer_params,
+                "bootstrap_room": None if gen.bootstrap is None else gen.bootstrap.room,
+                "bootstrap_leg": None if gen.bootstrap is None else ("prefill" if prefill_leg else "decode"),
                 "headers": {"x-request-id": request.headers.get("X-Request-Id"),
                             "x-session-id": request.headers.get("X-Session-ID")},
             },
         )
+        if (replica.role == "prefill" and not req.prefill_only) or (replica.role == "decode" and req.prefill_only):
+            replica.engine.stats.off_role_requests += 1
         replica.records.append(req)
         replica.engine.submit(req)
         try:
@@ -314,6 +328,9 @@ class ReplicaApi:
         finally:
             if not req.finished:
                 replica.engine.abort(req, "client")
+            if prefill_leg:
+                assert gen.bootstrap is not None
+                replica.bootstrap.settle(gen.bootstrap, req)
 
     def _full_body(self, gen: Generation, req: SimRequest, chat: bool) -> dict[str, Any]:
         text = self.replica.model.text(req.output)
@@ -394,6 +411,7 @@ def request_record(req: SimRequest) -> dict[str, Any]:
     queue = None if req.scheduled_clock_ms is None else req.scheduled_clock_ms - req.arrival_clock_ms
     ttft = None if req.first_token_clock_ms is None else req.first_token_clock_ms - req.arrival_clock_ms
     wall = None if req.first_token_wall is None else (req.first_token_wall - req.arrival_wall) * 1000.0
+    clocks = req.token_clock_ms
     return {
         "request_id": req.request_id, **req.info,
         "prompt_tokens": req.prompt_len, "completion_tokens": len(req.output),
@@ -401,6 +419,7 @@ def request_record(req: SimRequest) -> dict[str, Any]:
         "transfer_status": req.transfer_status, "kv_transfer_params_out": req.kv_transfer_params_out,
         "status": req.state.value if req.state is not State.WAITING else "running",
         "abort_reason": req.abort_reason, "queue_ms": queue, "ttft_ms": ttft, "wall_ttft_ms": wall,
+        "itl_ms": [round(b - a, 3) for a, b in zip(clocks, clocks[1:])],
     }
 
 
@@ -467,7 +486,7 @@ async def _json_body(request: web.BaseRequest) -> dict[str, Any]:
 
 def _check_message(message: Any) -> None:
     """A chat message the sim can render: a string role and text content (a string or text parts); the template
-    code (:meth:`router.tokenization.ModelTokenizer.render_chat`) puts the parts together as vLLM does."""
+    code (:meth:`loadgen.sim.tokenizer.SimTokenizer.render_chat`) puts the parts together as vLLM does."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ApiError("each message must be an object with a string role", "messages")
     content = message.get("content")
@@ -479,8 +498,50 @@ def _check_message(message: Any) -> None:
         raise ApiError("message content must be a string or a list of text parts", "messages")
 
 
+def _tool_dicts(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """vLLM's ``[tool.model_dump() for tool in request.tools]``: each tool parsed into ``ChatCompletionToolsParam``
+    (``type``, ``function``, ``defer_loading``) around ``FunctionDefinition`` (``name``, ``description``,
+    ``parameters``, ``strict``, ``defer_loading``) and dumped in that field order; their serializers drop unknown
+    fields and a ``strict`` / ``defer_loading`` that is None, and a tool's ``defer_loading`` is copied to its function
+    when the function has none. A tool that does not parse is a 400, as in vLLM."""
+    if tools is None:
+        return None
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or tool.get("type", "function") != "function":
+            raise ApiError(f"tools[{i}] must be a function tool with a function name", "tools")
+        description, parameters = function.get("description"), function.get("parameters")
+        if (description is not None and not isinstance(description, str)) \
+                or (parameters is not None and not isinstance(parameters, dict)):
+            raise ApiError(f"tools[{i}].function has a bad description or parameters", "tools")
+        tool_defer = tool.get("defer_loading")
+        function_defer = function.get("defer_loading")
+        dumped = {"name": function["name"], "description": description, "parameters": parameters}
+        for key, value in (("strict", function.get("strict")),
+                           ("defer_loading", tool_defer if function_defer is None else function_defer)):
+            if value is not None:
+                dumped[key] = value
+        entry: dict[str, Any] = {"type": "function", "function": dumped}
+        if tool_defer is not None:
+            entry["defer_loading"] = tool_defer
+        out.append(entry)
+    return out
+
+
 def _optional(body: dict[str, Any], key: str, kind: type) -> Any:
     value = body.get(key)
     if value is not None and not isinstance(value, kind):
         raise ApiError(f"{key} must be a {kind.__name__}", key)
     return value
+
+
+def _query_bool(request: web.BaseRequest, name: str) -> bool:
+    """A boolean query parameter as FastAPI (vLLM's server) parses one; absent is false."""
+    value = request.query.get(name, "false").lower()
+    if value in ("1", "true", "on", "yes", "t", "y"):
+        return True
+    if value in ("0", "false", "off", "no", "f", "n"):
+        return False
+    raise ApiError(f"{name} must be a boolean", name)

@@ -1,10 +1,16 @@
 """The scheduler of one simulated replica: vLLM-style continuous batching over the paged prefix cache.
 
-Each step schedules decode tokens for running requests, then (chunked) prefill, then admits waiting requests FCFS
-while the token budget, ``max_num_seqs`` and free blocks allow. A step costs ``overhead + prefill_ms_per_token x
-computed tokens + request_overhead x requests starting prefill + decode_ms_per_seq x decoding requests`` (unscaled
-ms); the loop sleeps that long times ``time_scale`` and then applies the step. So a request's TTFT is its queue wait
-plus the prefill of its *uncached* tokens, measured on a model clock that does not depend on the scale.
+Each step schedules the running requests in order (a decode token each, or their next prefill chunk), then admits
+waiting requests FCFS while the token budget, ``max_num_seqs`` and free blocks allow. A step costs ``overhead +
+prefill_ms_per_token x computed tokens + request_overhead x requests starting prefill + decode_ms_per_seq x decoding
+requests + decode_ms_per_context_token x the context those requests attend over`` (unscaled ms); the loop sleeps that
+long times ``time_scale`` and then applies the step. So a request's TTFT is its queue wait plus the prefill of its
+*uncached* tokens, measured on a model clock that does not depend on the scale, and a decode step grows with the
+sequences running and their context. Every request in a step waits for the whole step: a prefill chunk on a replica
+that also decodes stalls those decodes by the chunk's time (vLLM's chunked prefill), which is what prefill/decode
+disaggregation avoids. A request whose prompt was pulled from a prefill replica pays no per-request prefill overhead
+(that replica paid it); its few remaining prompt tokens join a step like decode tokens.
+Every generated token is stamped with the engine clock, so the gaps between them are the inter-token latency.
 Blocks found on the CPU tier or pulled from a peer's lease (NixlConnector) are usable once their load time has
 passed on that clock; they are announced (``BlockStored``) then.
 """
@@ -21,11 +27,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from cache_index.vllm_wire import AllBlocksCleared
-
 from .block_hash import BlockKey, next_block
 from .kv_cache import Allocation, BlockPool
 from .params import SimParams
+from .wire import AllBlocksCleared
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,10 @@ class SimRequest:
     num_computed: int = 0
     committed_blocks: int = 0
     prefill_started: bool = False
+    prompt_tail: list[int] = field(default_factory=list)
+    """The prompt's tokens after its last full block, kept to compute them again after a preemption."""
+    preempted: bool = False
+    """Moved back to the waiting queue by a prefix-cache reset that preempted the running requests."""
     alloc: Allocation = field(default_factory=Allocation)
     pending_load: list[BlockKey] = field(default_factory=list)
     ready_at_ms: float = 0.0
@@ -83,6 +92,8 @@ class SimRequest:
     first_token_clock_ms: float | None = None
     arrival_wall: float = field(default_factory=time.monotonic)
     first_token_wall: float | None = None
+    token_clock_ms: list[float] = field(default_factory=list)
+    """The engine clock when each generated token was sampled (the first is ``first_token_clock_ms``)."""
     kv_transfer_params_out: dict[str, Any] | None = None
     last_key: BlockKey | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -107,6 +118,8 @@ class Step:
     decode: list[SimRequest] = field(default_factory=list)
     prefill_tokens: int = 0
     new_prefills: int = 0
+    context_tokens: int = 0
+    """Tokens of KV the step's decodes attend over."""
 
     def empty(self) -> bool:
         return not self.prefill and not self.decode
@@ -123,6 +136,8 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prompt_tokens_cached: int = 0
+    """Prompt tokens not computed: local hits (GPU, CPU tier) plus those pulled from a peer."""
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     cpu_loaded_tokens: int = 0
@@ -131,7 +146,39 @@ class EngineStats:
     leases_granted: int = 0
     leases_pulled: int = 0
     leases_expired: int = 0
+    first_legs_served: int = 0
+    """Prefill-only requests (vLLM's ``do_remote_decode`` first leg, SGLang's prefill leg) that finished and left
+    their KV for a remote decode."""
+    off_role_requests: int = 0
+    """Requests the replica's role says it should not get, served anyway (a whole request on a prefill replica,
+    a first leg on a decode replica), as vLLM's ``kv_both`` serves them."""
     restarts: int = 0
+
+
+ITL_GAPS_KEPT = 100_000
+
+
+@dataclass(slots=True)
+class ItlStats:
+    """Inter-token latency on the engine clock over the replica's life: every gap counted, the last
+    ``ITL_GAPS_KEPT`` kept for percentiles."""
+
+    count: int = 0
+    total_ms: float = 0.0
+    max_ms: float = 0.0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=ITL_GAPS_KEPT))
+
+    def add(self, gap_ms: float) -> None:
+        self.count += 1
+        self.total_ms += gap_ms
+        self.max_ms = max(self.max_ms, gap_ms)
+        self.recent.append(gap_ms)
+
+    def summary(self) -> dict[str, float | int | None]:
+        kept = sorted(self.recent)
+        p99 = kept[min(len(kept) - 1, int(0.99 * len(kept)))] if kept else None
+        return {"count": self.count, "mean_ms": self.total_ms / self.count if self.count else None,
+                "p99_ms": p99, "max_ms": self.max_ms if self.count else None}
 
 
 class Engine:
@@ -156,6 +203,7 @@ class Engine:
         self.leases: dict[str, Lease] = {}
         self.clock_ms = 0.0
         self.stats = EngineStats()
+        self.itl = ItlStats()
         self._wakeup = asyncio.Event()
         self._unstalled = asyncio.Event()
         self._unstalled.set()
@@ -164,6 +212,7 @@ class Engine:
     # --- requests ------------------------------------------------------------------------------------------------
     def submit(self, req: SimRequest) -> None:
         req.last_key = req.chain[-1] if req.chain else None
+        req.prompt_tail = list(req.tail_tokens)
         req.arrival_clock_ms = self.clock_ms
         self.stats.requests_submitted += 1
         self.stats.prompt_tokens += req.prompt_len
@@ -208,9 +257,36 @@ class Engine:
         self.stats.restarts += 1
         self._wakeup.set()
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block, as vLLM's ``reset_prefix_cache``: refused (False, nothing forgotten) while any
+        block is in use, unless ``reset_running_requests`` first preempts every running request back to the front
+        of the waiting queue (their blocks freed, their prompts computed again). Blocks leased to a remote decode
+        keep it refused. The ``AllBlocksCleared`` is only queued: it goes out with the engine's next scheduler step,
+        in the same batch as that step's ``BlockStored`` (none while the engine idles)."""
+        if reset_running_requests:
+            for req in reversed(self.running):
+                self._preempt(req)
+            self.running = []
+        if self.pool.in_use():
+            return False
         self.pool.reset()
-        self._flush_events()
+        return True
+
+    def _preempt(self, req: SimRequest) -> None:
+        """Back to the front of the waiting queue with nothing computed (vLLM's recompute preemption); the
+        ``cached_tokens`` it reports stay those of its first admission, as vLLM's ``num_cached_tokens``."""
+        self.pool.release(req.alloc)
+        req.state = State.WAITING
+        req.num_computed = 0
+        req.committed_blocks = 0
+        req.prefill_started = False
+        req.pending_load = []
+        req.ready_at_ms = 0.0
+        req.last_key = req.chain[-1] if req.chain else None
+        req.tail_tokens = req.prompt_tail + req.output[:-1]  # recomputed with the prompt; the last one is sampled
+        req.preempted = True
+        self.waiting.appendleft(req)
+        self._wakeup.set()
 
     def stall(self, seconds: float | None) -> None:
         self._stall_deadline = math.inf if seconds is None else time.monotonic() + seconds
@@ -280,6 +356,7 @@ class Engine:
                 + p.prefill_ms_per_token * step.prefill_tokens
                 + p.request_overhead_ms * step.new_prefills
                 + p.decode_ms_per_seq * len(step.decode)
+                + p.decode_ms_per_context_token * step.context_tokens
             )
             await self._sleep(cost_ms)
             self.clock_ms += cost_ms
@@ -335,14 +412,25 @@ class Engine:
         remaining = req.prompt_len - req.num_computed
         if remaining > 0:
             n = min(remaining, budget)
+            self._cache_scheduled(req, req.num_computed + n)
             step.prefill.append((req, n))
             step.prefill_tokens += n
             if not req.prefill_started:
                 req.prefill_started = True
-                step.new_prefills += 1
+                step.new_prefills += 0 if req.transferred_tokens else 1
             return budget - n
         step.decode.append(req)
+        step.context_tokens += req.prompt_len + len(req.output)
         return budget - 1
+
+    def _cache_scheduled(self, req: SimRequest, tokens: int) -> None:
+        """Cache (and announce) the prompt's full blocks within the first ``tokens`` when they are scheduled, not
+        when computed: vLLM's ``allocate_slots`` registers their hashes at once, so a request scheduled after this
+        one, in this step or a later one, reuses them while they are still being computed."""
+        full = min(tokens // self.params.block_size, len(req.chain))
+        if full > req.committed_blocks:
+            self.pool.commit(req.alloc, req.chain[req.committed_blocks : full], req.session_id)
+            req.committed_blocks = full
 
     def _admit(self, req: SimRequest) -> bool:
         """Find the request's prefix (GPU, peer lease, CPU), pin and reserve its blocks; False if they do not fit."""
@@ -371,7 +459,8 @@ class Engine:
         pool.touch_cpu(cpu_keys)  # before allocating: its evictions demote blocks into the CPU tier
         pool.allocate(req.alloc, private)
         hit_blocks = len(gpu_keys) + len(transfer_keys) + len(cpu_keys)
-        req.cached_tokens = (len(gpu_keys) + len(cpu_keys)) * bs
+        if not req.preempted:  # readmitted after a preemption, it reports its first admission's hits
+            req.cached_tokens = (len(gpu_keys) + len(cpu_keys)) * bs
         req.transferred_tokens = len(transfer_keys) * bs
         req.num_computed = hit_blocks * bs
         req.committed_blocks = hit_blocks
@@ -390,6 +479,7 @@ class Engine:
         s = self.stats
         s.prefix_cache_queries += req.prompt_len
         s.prefix_cache_hits += req.cached_tokens
+        s.prompt_tokens_cached += req.cached_tokens + req.transferred_tokens
         s.cpu_loaded_tokens += len(cpu_keys) * bs
         if req.remote is not None:
             s.external_prefix_cache_queries += req.prompt_len
@@ -421,10 +511,6 @@ class Engine:
                 continue
             req.num_computed += n
             self.stats.prefill_tokens_computed += n
-            full = min(req.num_computed // bs, len(req.chain))
-            if full > req.committed_blocks:
-                self.pool.commit(req.alloc, req.chain[req.committed_blocks : full], req.session_id)
-                req.committed_blocks = full
             if req.num_computed == req.prompt_len:
                 req.first_token_clock_ms = self.clock_ms
                 req.first_token_wall = time.monotonic()
@@ -440,6 +526,9 @@ class Engine:
         if req.output:  # this step computed the KV of the previously sampled token
             self._extend_cache(req, req.output[-1])
         req.output.append(vocab[(req.text_seed + self.params.seed + 7 * len(req.output)) % len(vocab)])
+        if req.token_clock_ms:
+            self.itl.add(self.clock_ms - req.token_clock_ms[-1])
+        req.token_clock_ms.append(self.clock_ms)
         self.stats.generation_tokens += 1
         if len(req.output) >= req.max_tokens:
             self._finish(req)
@@ -449,17 +538,19 @@ class Engine:
 
     def _extend_cache(self, req: SimRequest, token: int) -> None:
         req.tail_tokens.append(token)
-        if len(req.tail_tokens) == self.params.block_size:
-            key = next_block(req.last_key, req.tail_tokens, req.cache_salt)
+        bs = self.params.block_size
+        while len(req.tail_tokens) >= bs:  # more than one block only after a preemption recomputed the output
+            key = next_block(req.last_key, req.tail_tokens[:bs], req.cache_salt)
             self.pool.commit(req.alloc, [key], req.session_id)
             req.last_key = key
-            req.tail_tokens = []
+            req.tail_tokens = req.tail_tokens[bs:]
 
     def _finish(self, req: SimRequest) -> None:
         req.state = State.COMPLETED
         req.chain = []
         self.stats.requests_completed += 1
         if req.prefill_only:
+            self.stats.first_legs_served += 1
             self._grant_lease(req)
         else:
             self.pool.release(req.alloc)

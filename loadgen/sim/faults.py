@@ -51,8 +51,8 @@ async def apply(replica: "Replica", body: dict[str, Any]) -> tuple[dict[str, Any
         publisher.replay_enabled = False
     elif action == "enable_replay":
         publisher.replay_enabled = True
-    elif action == "reset_cache":
-        engine.reset_prefix_cache()
+    elif action == "reset_cache":  # as an operator resetting under load would: running requests are preempted
+        engine.reset_prefix_cache(reset_running_requests=True)
     elif action == "stop":
         after = target.stop_http
     elif action == "start":

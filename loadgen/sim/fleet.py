@@ -22,6 +22,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from .api import ReplicaApi, make_request
+from .bootstrap import ReplicaBootstrap
 from .engine import Engine, SimRequest
 from .errors import ApiError
 from .metrics import metrics_registry
@@ -34,11 +35,15 @@ RECORDS_KEPT = 2000
 
 class Replica:
     def __init__(
-        self, fleet: "Fleet", index: int, host: str, http_port: int, zmq_port: int, params: SimParams
+        self, fleet: "Fleet", index: int, host: str, http_port: int, zmq_port: int, params: SimParams,
+        role: str = "both", bootstrap_port: int | None = None,
     ) -> None:
         self.fleet = fleet
         self.index = index
         self.name = f"sim-{index}"
+        self.role = role
+        """``prefill``, ``decode`` or ``both``: what the policy file says this replica is for. A replica serves every
+        request whatever its role (vLLM's ``kv_both``) and counts those off its role (``off_role_requests``)."""
         self.host = host
         self.http_port = http_port
         self.pub_endpoint = f"tcp://{host}:{zmq_port}"
@@ -58,6 +63,7 @@ class Replica:
         self.engine = Engine(params, self.publisher.publish, self.model.output_vocab, fleet.engines, http_port)
         self.registry = metrics_registry(self)
         self.api = ReplicaApi(self)
+        self.bootstrap = ReplicaBootstrap(self, bootstrap_port)
         self._web_server: web.Server | None = None
         self._listener: asyncio.base_events.Server | None = None
         self._engine_task: asyncio.Task[None] | None = None
@@ -69,10 +75,12 @@ class Replica:
     async def start(self) -> None:
         self.publisher.start()
         self._engine_task = asyncio.create_task(self.engine.run(), name=f"{self.name}-engine")
+        await self.bootstrap.start()
         await self.start_http()
 
     async def close(self) -> None:
         await self.stop_http()
+        await self.bootstrap.close()
         if self._engine_task is not None:
             self._engine_task.cancel()
             await asyncio.gather(self._engine_task, return_exceptions=True)
@@ -105,8 +113,11 @@ class Replica:
         return f"{self._id_prefix}-{next(self._request_ids)}"
 
     def restart(self) -> None:
-        """A fresh engine process: nothing of the old one survives, not even a fault it was put in."""
+        """A fresh engine process: nothing of the old one survives, not even a fault it was put in. Its
+        ``process_start_time_seconds`` changes, so a scraper can tell."""
+        self.started_at = time.time()
         self.engine.restart()
+        self.bootstrap.restart()
         self.engine.unstall()
         self.publisher.reset()
         self.healthy = True
@@ -124,13 +135,14 @@ class Replica:
     def stats(self) -> dict[str, Any]:
         p = self.publisher
         return {
-            "replica": self.name, "engine_id": self.engine.engine_id, "healthy": self.healthy,
+            "replica": self.name, "role": self.role, "engine_id": self.engine.engine_id, "healthy": self.healthy,
             "stalled": self.engine.stalled, "http_listening": self._listener is not None,
             "clock_ms": self.engine.clock_ms, "running": len(self.engine.running),
             "waiting": len(self.engine.waiting), "kv_cache_usage": self.engine.pool.usage(),
             "gpu_cached_blocks": len(self.engine.pool.gpu), "cpu_cached_blocks": len(self.engine.pool.cpu),
             "evicted_blocks": self.engine.pool.evicted_blocks, "leases": len(self.engine.leases),
-            "bad_requests": self.errors, **asdict(self.engine.stats),
+            "bad_requests": self.errors, **asdict(self.engine.stats), "itl": self.engine.itl.summary(),
+            "bootstrap": self.bootstrap.summary(),
             "events": {"next_seq": p.next_seq, "buffered": len(p.buffer), "frames_sent": p.frames_sent,
                        "frames_dropped": p.frames_dropped, "drop_fraction": p.drop_fraction,
                        "delay_ms": p.delay_s * 1000.0, "replay_enabled": p.replay_enabled,
@@ -139,13 +151,26 @@ class Replica:
 
 
 class Fleet:
-    def __init__(self, replicas: int, host: str, port: int, zmq_port: int, params: SimParams, model: SimModel):
+    def __init__(
+        self, replicas: int, host: str, port: int, zmq_port: int, params: SimParams, model: SimModel,
+        roles: list[str] | None = None, bootstrap_port: int | None = None,
+    ):
+        """``roles``: each replica's role, in order (None: every replica serves both and the policy file names no
+        role)."""
+        if roles is not None and len(roles) != replicas:
+            raise ValueError(f"{len(roles)} roles for {replicas} replicas")
         self.model = model
         self.params = params
+        self.roles_given = roles is not None
+        self.sglang = bootstrap_port is not None
+        """The fleet speaks SGLang's P/D handoff: its prefill replicas (every replica, without roles) run a bootstrap
+        server, and the policy file lists every replica as an sglang one."""
         self.zmq_context = zmq.asyncio.Context()
         self.engines: dict[str, Engine] = {}
         self.replicas = [
-            Replica(self, i, host, port + i, zmq_port + 2 * i, replace(params)) for i in range(replicas)
+            Replica(self, i, host, port + i, zmq_port + 2 * i, replace(params), roles[i] if roles else "both",
+                    None if bootstrap_port is None or (roles and roles[i] != "prefill") else bootstrap_port + i)
+            for i in range(replicas)
         ]
 
     def __iter__(self) -> Iterator[Replica]:
@@ -161,11 +186,12 @@ class Fleet:
         self.zmq_context.term()
 
     def policy_file(self) -> dict[str, Any]:
-        """kvgate's own config for this fleet (loads with ``policies.config.load_config``)."""
+        """kvgate's own config for this fleet (loads with ``kvgate.router.config.load_config``)."""
         return {
             "replicas": [
                 {"name": r.name, "url": r.url, "kv_events": _client_endpoint(r.pub_endpoint),
-                 "kv_replay": _client_endpoint(r.replay_endpoint), "kv_topic": self.params.topic}
+                 "kv_replay": _client_endpoint(r.replay_endpoint), "kv_topic": self.params.topic,
+                 **({"role": r.role} if self.roles_given else {}), **(_sglang_fields(r) if self.sglang else {})}
                 for r in self.replicas
             ],
             "models": [{"name": self.params.model, "tokenizer": str(self.model.tokenizer_path),
@@ -175,6 +201,14 @@ class Fleet:
 
     def write_policy_file(self, path: Path) -> None:
         path.write_text(yaml.safe_dump(self.policy_file(), sort_keys=False))
+
+
+def _sglang_fields(replica: Replica) -> dict[str, Any]:
+    """An SGLang fleet's replica: its engine kind, and its bootstrap port when it is a prefill server
+    (loadgen.sim.bootstrap)."""
+    if replica.bootstrap.port is None:
+        return {"engine": "sglang"}
+    return {"engine": "sglang", "bootstrap_port": replica.bootstrap.port}
 
 
 def _client_host(host: str) -> str:

@@ -14,9 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from cache_index.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
-
 from .block_hash import BlockKey
+from .wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 GPU = "GPU"
 CPU = "CPU"
@@ -62,6 +61,10 @@ class BlockPool:
     def usage(self) -> float:
         """vLLM's ``kv_cache_usage_perc``: the share of blocks neither free nor evictable."""
         return (self.num_blocks - self.free_slots - len(self.evictable)) / self.num_blocks
+
+    def in_use(self) -> bool:
+        """Whether any block is held (by a request or a lease): vLLM refuses a prefix-cache reset then."""
+        return self.free_slots + len(self.evictable) < self.num_blocks
 
     def available(self) -> int:
         return self.free_slots + len(self.evictable)

@@ -1,4 +1,5 @@
-"""A replica's ``/metrics``: vLLM's Prometheus names, read from the engine's live state at scrape time."""
+"""A replica's ``/metrics``: vLLM's Prometheus names, read from the engine's live state at scrape time, plus the
+standard ``process_start_time_seconds`` of the replica's (simulated) engine process, which a restart changes."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ class ReplicaCollector:
                       "External prefix cache hits from KV connector cross-instance cache sharing.",
                       s.external_prefix_cache_hits)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        yield counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+                      s.prompt_tokens_cached)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
         finished = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                        labels=[*labels, "finished_reason"])
@@ -64,6 +67,8 @@ class ReplicaCollector:
             [str(params.block_size), str(params.kv_blocks), str(params.cpu_blocks), "True", "sha256", "0"], 1.0
         )
         yield info
+        yield GaugeMetricFamily("process_start_time_seconds",
+                                "Start time of the process since unix epoch in seconds.", value=self.replica.started_at)
 
 
 def metrics_registry(replica: "Replica") -> CollectorRegistry:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.tokenization import ModelTokenizer
+from .tokenizer import SimTokenizer
 
 
 @dataclass(frozen=True, slots=True)
 class SimModel:
     name: str
-    tokenizer: ModelTokenizer
+    tokenizer: SimTokenizer
     tokenizer_path: Path
     vocab_size: int
     output_vocab: list[int]
@@ -21,9 +21,9 @@ class SimModel:
     @classmethod
     def load(cls, name: str, tokenizer_path: str | Path) -> "SimModel":
         path = Path(tokenizer_path).resolve()
-        tokenizer = ModelTokenizer.from_path(path)
-        vocab_size = tokenizer.tokenizer.get_vocab_size()
-        special = set(tokenizer.tokenizer.get_added_tokens_decoder())
+        tokenizer = SimTokenizer.from_path(path)
+        vocab_size = tokenizer.vocab_size
+        special = tokenizer.special_ids
         words = [
             i for i in range(vocab_size)
             if i not in special and (t := tokenizer.token_text(i)) and t[0] in "Ġ▁" and t[1:].isalpha() and len(t) > 3

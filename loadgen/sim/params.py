@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_BYTES_PER_TOKEN = 320 * 1024
-"""DESIGN.md's KV size per token; sizes CPU loads and NIXL transfers."""
+"""The KV size per token of docs/benchmarks.md's simulated fleet; sizes CPU loads and NIXL transfers."""
 
 GIB = 1024**3
 
@@ -22,9 +22,12 @@ class SimParams:
     step_overhead_ms: float = 6.0
     prefill_ms_per_token: float = 0.035
     request_overhead_ms: float = 20.0
-    """Fixed prefill cost per request (DESIGN.md: 0.035 ms/token + 20 ms/request)."""
+    """Fixed prefill cost per request (0.035 ms/token + 20 ms/request by default)."""
     decode_ms_per_seq: float = 0.06
-    """With the step overhead, a decode step of 64 running sequences costs ~10 ms, of 256 ~21 ms."""
+    """With the step overhead, a decode step of 64 running sequences costs ~10 ms, of 256 ~21 ms (short contexts)."""
+    decode_ms_per_context_token: float = 0.00002
+    """Attention: a decode step reads every decoding sequence's KV once, 320 KiB/token at ~16 TB/s (the aggregate HBM
+    a replica with these prefill constants has), so 64 sequences at 8k tokens of context add ~10 ms to the step."""
     token_budget: int = 8192
     """Tokens scheduled per step (vLLM's max_num_batched_tokens); long prompts are prefilled in chunks."""
     max_num_seqs: int = 256

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from cache_index.vllm_wire import END_SEQ, KVEventBatch, encode_seq
+from .wire import END_SEQ, KVEventBatch, encode_seq
 
 log = logging.getLogger(__name__)
 

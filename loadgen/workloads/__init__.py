@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from loadgen.assets import TOKENIZER_DIR
+from kvgate.loadgen.assets import TOKENIZER_DIR
 
 Endpoint = Literal["chat", "completions"]
 
@@ -55,6 +55,12 @@ class WorkloadOptions:
     turns: int = 5
     turn_tokens: int = 256
     think_s: float = 1.0
+    # agentic (also: sessions, turns, system_tokens, think_s)
+    context_tokens: int = 100_000
+    """The context a session grows toward (each session's own target is drawn around it)."""
+    subagent_prob: float = 0.25
+    idle_s: float = 30.0
+    """Mean of the occasional long pause between turns (the user, not a tool, is what the agent waits for)."""
     # documents
     documents: int = 16
     document_tokens: tuple[int, int] = (10_000, 40_000)
@@ -68,25 +74,39 @@ class WorkloadOptions:
     max_output_tokens: int | None = None
     max_input_tokens: int | None = None
     """Trace: skip rows with longer prompts (e.g. beyond the engines' max_model_len, which would only yield 400s)."""
+    # pd-mix (also: rate, speed, requests)
+    long_fraction: float = 0.25
+    long_tokens: tuple[int, int] = (4_000, 16_000)
+    long_output_tokens: tuple[int, int] = (256, 1_024)
+    chat_tokens: tuple[int, int] = (64, 512)
+    chat_output_tokens: tuple[int, int] = (16, 256)
 
 
-WORKLOADS = ("trace", "shared-prefix", "multi-turn", "documents", "unique")
+WORKLOADS = ("trace", "shared-prefix", "multi-turn", "documents", "agentic", "unique", "pd-mix")
 
 
 def build_workload(name: str, options: WorkloadOptions) -> list[Request]:
     """The requests of workload ``name``, sorted by arrival (follow-up turns after the first turns)."""
-    from loadgen.workloads import synthetic
+    from kvgate.loadgen.workloads import synthetic
 
     if name == "trace":
-        from loadgen.trace import trace_workload
+        from kvgate.loadgen.trace import trace_workload
 
         return trace_workload(options)
     builders = {
         "shared-prefix": synthetic.shared_prefix,
         "multi-turn": synthetic.multi_turn,
         "documents": synthetic.documents,
+        "agentic": synthetic.agentic,
         "unique": synthetic.unique,
+        "pd-mix": synthetic.pd_mix,
     }
     if name not in builders:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     return builders[name](options)
+
+
+def working_set_tokens(requests: list[Request]) -> int:
+    """Distinct prompt tokens of a workload: what an infinite cache would end up holding (each request's tokens
+    beyond its oracle hit). Compared with the fleet's KV, it says whether the workload binds cache capacity."""
+    return sum(r.prompt_tokens - r.oracle_hit_tokens for r in requests)

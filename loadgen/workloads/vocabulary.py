@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from router.tokenization import ModelTokenizer
+from kvgate.loadgen.sim.tokenizer import SimTokenizer
 
 _WORD = re.compile(r"Ġ[A-Za-z]+")
 MIN_WORDS = 1000
@@ -23,7 +23,7 @@ MIN_WORDS = 1000
 class WordVocabulary:
     """Round-trip-safe whole-word token ids of one tokenizer, and their text."""
 
-    def __init__(self, tokenizer: ModelTokenizer):
+    def __init__(self, tokenizer: SimTokenizer):
         self.tokenizer = tokenizer
         vocab = tokenizer.tokenizer.get_vocab()
         words = sorted((i, tok[1:]) for tok, i in vocab.items() if _WORD.fullmatch(tok))
@@ -43,4 +43,4 @@ class WordVocabulary:
 
 @lru_cache(maxsize=4)
 def vocabulary_for(tokenizer_dir: Path) -> WordVocabulary:
-    return WordVocabulary(ModelTokenizer.from_path(tokenizer_dir))
+    return WordVocabulary(SimTokenizer.from_path(tokenizer_dir))

@@ -8,11 +8,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from cache_index.events import Cleared, MalformedBatch, Removed, Stored, decode_batch, decode_batch_object
-from cache_index.index import PrefixIndex
-from cache_index.ingest import ApplyStatus, EventIngestor
-from cache_index.keys import block_keys, namespace_key
-from cache_index.match import PrefixMatch
+from kvgate.cache_index.events import Cleared, MalformedBatch, Removed, Stored, decode_batch, decode_batch_object
+from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.ingest import ApplyStatus, EventIngestor
+from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.match import PrefixMatch
 
 MODEL = "m"
 TOKENS = list(range(1000, 1032))
@@ -187,9 +187,11 @@ def test_garbage_payloads_raise_one_exception_type_and_are_counted(payload: byte
     assert ingestor.apply("r", 1, encode([1.0, [], 0])).applied  # the stream carries on
 
 
-def test_malformed_frame_purges_the_replica() -> None:
+def test_a_malformed_frame_in_sequence_keeps_the_replicas_holdings() -> None:
     index, ingestor = fresh()
     ingestor.apply("r", 0, encode([1.0, [stored_map([1, 2], None, TOKENS)], 0]))
-    ingestor.apply("r", 1, b"\xc1")
-    assert lookup(index) == {}
-    assert ingestor.stats.purges == 1
+    held = lookup(index)
+    assert held
+    assert ingestor.apply("r", 1, b"\xc1").status is ApplyStatus.MALFORMED
+    assert lookup(index) == held and ingestor.stats.purges == 0
+    assert ingestor.apply("r", 2, encode([1.0, [], 0])).status is ApplyStatus.APPLIED  # its number was taken: no gap

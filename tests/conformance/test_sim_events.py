@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from cache_index.vllm_wire import END_SEQ, BlockStored, KVEventBatch, encode_seq
+from kvgate.loadgen.sim.wire import END_SEQ, BlockStored, KVEventBatch, encode_seq
 from tests.support import Sim, start_sim
 
 pytestmark = pytest.mark.integration
@@ -101,14 +101,14 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
 
 @pytest.fixture
 def sub(sim: Sim) -> Iterator[Subscriber]:
-    """A subscriber known to be receiving: it pokes the replica (prefix-cache resets) until a frame arrives, so every
-    test starts from an empty cache."""
+    """A subscriber known to be receiving: it pokes the replica (a prefix-cache reset and a one-block request) until
+    a frame arrives, so every test starts from a cache holding only that block."""
     ctx = zmq.Context.instance()
     s = Subscriber(ctx, sim.events_endpoint(0))
     deadline = time.monotonic() + DEADLINE_S
     while s.recv(0.1) is None:
         assert time.monotonic() < deadline, "subscriber never joined"
-        httpx.post(sim.url(0) + "/reset_prefix_cache", timeout=2)
+        sim.reset_and_step(0)
     while s.recv(0.1) is not None:
         pass
     yield s
@@ -195,10 +195,15 @@ def test_replay_can_be_disabled(sim: Sim) -> None:
     assert replay(ctx, sim.replay_endpoint(0), 0)[-1][2] == END_SEQ
 
 
-def test_reset_cache_emits_all_blocks_cleared(sim: Sim, sub: Subscriber) -> None:
+def test_reset_cache_emits_all_blocks_cleared_with_the_next_step(sim: Sim, sub: Subscriber) -> None:
+    # As the real engine does: nothing at the reset itself; the next scheduler step's batch starts with it.
     fault(sim, 0, action="reset_cache")
+    assert sub.recv(0.3) is None, "AllBlocksCleared waits for the engine's next step"
+    post(sim, 0, {"prompt": TOKENS})
     frames = sub.until(lambda b: any(type(e).__name__ == "AllBlocksCleared" for e in b.events))
-    assert msgspec.msgpack.decode(frames[-1][2])[1] == [{"type": "AllBlocksCleared"}]
+    events = msgspec.msgpack.decode(frames[-1][2])[1]
+    assert events[0] == {"type": "AllBlocksCleared"}
+    assert [e["type"] for e in events[1:]] == ["BlockStored"] and events[1]["token_ids"] == TOKENS[:32]
 
 
 def test_restart_resets_sequence_and_replay_buffer(sim: Sim, sub: Subscriber) -> None:

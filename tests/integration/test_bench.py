@@ -3,7 +3,6 @@ and every process it started is gone afterwards."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import subprocess
@@ -12,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from policies.config import load_config
+from kvgate.router.config import load_config
 from tests.support import REPO
 
 pytestmark = pytest.mark.integration
-
-NEEDS = [REPO / "loadgen" / "sim" / "cli.py", REPO / "router" / "server.py"]
-
 
 def _listening(url: str) -> bool:
     host, port = url.removeprefix("http://").split(":")
@@ -27,11 +23,10 @@ def _listening(url: str) -> bool:
         return s.connect_ex((host, int(port))) == 0
 
 
-@pytest.mark.skipif(not all(p.exists() for p in NEEDS), reason="kvgate sim and kvgate serve are not both present yet")
 def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     cmd = [
-        sys.executable, "-m", "router.cli", "bench", "--workload", "shared-prefix", "--policies", "cost,round_robin",
+        sys.executable, "-m", "kvgate.router.cli", "bench", "--workload", "shared-prefix", "--policies", "cost,round_robin",
         "--replicas", "2", "--kv-blocks", "512", "--time-scale", "0.01", "--groups", "2", "--prompts-per-group", "10",
         "--system-tokens", "256", "--question-tokens", "32", "--output-tokens", "8", "--rate", "40", "--seed", "1",
         "--ready-timeout", "30", "--out", str(out),
@@ -49,6 +44,8 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
         assert sum(s["requests_per_replica"].values()) == 20 and len(s["requests_per_replica"]) == 2
         assert s["router_cpu_s"] > 0 and s["sim_cpu_s"] > 0  # CPU of each process group while the workload ran
         assert sum(s["gateway"]["decisions"].values()) == 20  # one routing decision per request, from /metrics
+        assert s["prefill_tokens_computed"] > 0 and s["evicted_tokens"] >= 0  # the engines' cache totals
+        assert s["oracle_ttft_mean_ms"] > 0 and s["engine_ttft_vs_oracle"] > 0
     assert doc["summaries"]["round_robin"]["load_imbalance"] >= 1.0
     assert doc["ratios_to_best_baseline"]["ttft_mean_ms"]["best_baseline"] == "round_robin"
     assert all(r["replica"] and r["engine_ttft_ms"] is not None for r in doc["requests"]["cost"])
@@ -63,13 +60,11 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
         assert not any(_listening(r.url) for r in load_config(path).replicas)
 
 
-@pytest.mark.skipif(not all(p.exists() for p in NEEDS), reason="kvgate sim and kvgate serve are not both present yet")
-@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")
 def test_tiny_bench_with_the_sglang_peer(tmp_path: Path) -> None:
     """The peer runs on its own identical fleet; the replica that served each request comes from the sim itself."""
     out = tmp_path / "bench"
     cmd = [
-        sys.executable, "-m", "router.cli", "bench", "--workload", "unique", "--policies", "round_robin",
+        sys.executable, "-m", "kvgate.router.cli", "bench", "--workload", "unique", "--policies", "round_robin",
         "--peer", "sglang", "--replicas", "2", "--time-scale", "0.01", "--requests", "10", "--prompt-tokens", "64",
         "--output-tokens", "4", "--rate", "40", "--ready-timeout", "30", "--out", str(out),
     ]
@@ -82,13 +77,36 @@ def test_tiny_bench_with_the_sglang_peer(tmp_path: Path) -> None:
     assert not any(_listening(url) for url in doc["meta"]["targets"].values())
 
 
-@pytest.mark.skipif(not all(p.exists() for p in NEEDS), reason="kvgate sim and kvgate serve are not both present yet")
+def test_tiny_bench_with_vllm_routers_pd_mode_on_a_roles_fleet(tmp_path: Path) -> None:
+    """vllm-router's P/D mode over the sim: every request's first leg on a prefill replica, its KV pulled by a
+    decode replica; the engine view adds both legs' TTFT and has the decode leg's inter-token gaps."""
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "kvgate.router.cli", "bench", "--workload", "pd-mix", "--policies", "",
+        "--peer", "vllm-router", "--replicas", "3", "--pd-roles", "prefill:1,decode:2", "--time-scale", "0.01",
+        "--requests", "10", "--long-tokens", "300:600", "--long-output-tokens", "20:40", "--chat-tokens", "40:80",
+        "--chat-output-tokens", "4:8", "--rate", "40", "--ready-timeout", "30", "--candidate", "vllm-router",
+        "--out", str(out),
+    ]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    peer = doc["summaries"]["vllm-router"]
+    assert peer["ok"] == 10 and peer["first_legs_served"] == 10 and peer["transfers_in"] == 10
+    assert peer["off_role_requests"] == 0 and peer["engine_itl_p99_ms"] > 0 and peer["output_tok_s"] > 0
+    records = doc["requests"]["vllm-router"]
+    assert all(r["replica"] in ("sim-1", "sim-2") and r["engine_ttft_ms"] is not None for r in records)
+    assert all(len(r["engine_itl_ms"]) == r["output_tokens"] - 1 for r in records)
+    assert doc["meta"]["fleets"] == {"vllm-router": "prefill:1,decode:2"}
+    assert not any(_listening(url) for url in doc["meta"]["targets"].values())
+
+
 def test_tiny_bench_repeated(tmp_path: Path) -> None:
     """--repeat 2: each policy runs twice on fresh fleets, the second repeat in the rotated order, and the report
     keeps both repeats besides the medians, ranges and wins per repeat."""
     out = tmp_path / "bench"
     cmd = [
-        sys.executable, "-m", "router.cli", "bench", "--workload", "unique", "--policies", "cost,round_robin",
+        sys.executable, "-m", "kvgate.router.cli", "bench", "--workload", "unique", "--policies", "cost,round_robin",
         "--repeat", "2", "--replicas", "2", "--time-scale", "0.01", "--requests", "6", "--prompt-tokens", "64",
         "--output-tokens", "4", "--rate", "40", "--ready-timeout", "30", "--no-progress", "--out", str(out),
     ]

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from loadgen.runner import RunConfig, run_workload
-from loadgen.workloads import WorkloadOptions, build_workload
+from kvgate.loadgen.runner import RunConfig, run_workload
+from kvgate.loadgen.workloads import WorkloadOptions, build_workload
 
 pytestmark = pytest.mark.integration
 SENT = web.AppKey("sent", list)
@@ -102,3 +102,24 @@ async def test_duration_bound_stops_new_arrivals(fake_engine: tuple[str, web.App
     assert late > 0
     records, _ = await asyncio.wait_for(run_workload(requests, RunConfig(url, "m", duration_s=0.2, progress=False)), 20)
     assert len(records) == len(requests) - late
+
+
+async def test_spread_sends_each_request_to_one_of_the_targets(fake_engine: tuple[str, web.Application]) -> None:
+    url, app = fake_engine
+    other = web.Application()
+    other[SENT] = []
+    other.router.add_post("/v1/completions", _fake_completion)
+    runner = web.AppRunner(other)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    other_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        requests = build_workload("unique", WorkloadOptions(requests=40, prompt_tokens=32, output_tokens=1, rate=0))
+        config = RunConfig(url, "m", progress=False, spread=(other_url,))
+        records, _ = await asyncio.wait_for(run_workload(requests, config), 20)
+    finally:
+        await runner.cleanup()
+    assert all(r.ok for r in records)
+    assert len(app[SENT]) + len(other[SENT]) == 40
+    assert len(app[SENT]) >= 5 and len(other[SENT]) >= 5

@@ -19,9 +19,11 @@ import yaml
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_index.ingest import DROP_REASONS
-from cache_index.vllm_wire import BlockStored, KVEventBatch
-from tests.support import KVGATE, REPO, Gateway, ManagedProcess, Sim, free_port_block, start_kvgate, start_sim
+from kvgate.cache_index.ingest import DROP_REASONS
+from kvgate.cache_index.vllm_wire import BlockStored, KVEventBatch
+from tests.support import (
+    KVGATE, REPO, Gateway, ManagedProcess, Sim, free_port_block, start_kvgate, start_sim, wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -53,16 +55,6 @@ def metric_value(gw: Gateway, name: str, **labels: str) -> float:
         if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture(scope="module")
@@ -403,20 +395,27 @@ def test_a_role_chunk_is_not_the_first_token(sim: Sim, gw: Gateway) -> None:
     """The sim opens a chat stream with a role-only chunk before it prefills (some engines do): kvgate keeps counting
     the prompt as prefill still waiting on that replica (the cost policy's queue delay) until a token arrives."""
     events: list[str] = []
+    request_id = "role-first-1"
 
     def stream() -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "role first " * 200}], "max_tokens": 3,
                 "stream": True}
-        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=15) as resp:
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=15,
+                          headers={"X-Request-Id": request_id}) as resp:
             events.extend(line[6:] for line in resp.iter_lines() if line.startswith("data: "))
+
+    def reached_the_sim() -> bool:
+        return any(x["headers"]["x-request-id"] == request_id for i in range(sim.replicas) for x in sim_requests(sim, i))
 
     for i in range(sim.replicas):
         httpx.post(sim.url(i) + "/sim/fault", json={"action": "stall"}, timeout=5).raise_for_status()
     client = threading.Thread(target=stream)
     client.start()
     try:
-        wait_until(lambda: metric_value(gw, "kvgate_in_flight{") == 1)
-        time.sleep(0.3)  # the sim's role chunk is out; its engine is stalled before the prefill
+        # The sim records a request and writes its role chunk in one go, before its stalled engine can prefill;
+        # kvgate has read that chunk by the time it answers the next scrape.
+        wait_until(reached_the_sim, "the request on a replica")
+        assert metric_value(gw, "kvgate_in_flight{") == 1
         assert metric_value(gw, "kvgate_in_flight_prefill_tokens{") > 200
     finally:
         for i in range(sim.replicas):
@@ -430,6 +429,8 @@ def test_kv_events_over_http_feed_the_index(sim: Sim, workdir: Path) -> None:
     """A replica with no ZMQ endpoint (here a second name for sim-0's URL) is indexed from events POSTed to kvgate."""
     config = yaml.safe_load(gateway_config(sim, workdir, "kvgate-events-base.yaml").read_text())
     config["replicas"] = [{"name": "http-fed", "url": sim.url(0)}]
+    config["server"] = {"events_token": "engine-events-token"}
+    auth = {"authorization": "Bearer engine-events-token"}
     path = workdir / "kvgate-events.yaml"
     path.write_text(yaml.safe_dump(config))
     g = start_kvgate(workdir, path)
@@ -440,14 +441,14 @@ def test_kv_events_over_http_feed_the_index(sim: Sim, workdir: Path) -> None:
             medium="GPU", lora_name=None,
         )], 0)
         r = httpx.post(g.url + "/kvgate/v1/events", content=msgspec.msgpack.encode(batch), headers={
-            "content-type": "application/msgpack", "x-kvgate-replica": "http-fed", "x-kvgate-seq": "0"})
+            "content-type": "application/msgpack", "x-kvgate-replica": "http-fed", "x-kvgate-seq": "0", **auth})
         assert r.status_code == 200 and r.json()["status"] == "applied"
         explained = httpx.post(g.url + "/kvgate/v1/explain", json={"model": MODEL, "prompt": tokens + [7]}).json()
         assert explained["replicas"][0]["cached_tokens"]["gpu"] == 32
-        r = httpx.post(g.url + "/kvgate/v1/events", content=b"x", headers={"content-type": "text/plain"})
+        r = httpx.post(g.url + "/kvgate/v1/events", content=b"x", headers={"content-type": "text/plain", **auth})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_events"
         r = httpx.post(g.url + "/kvgate/v1/events", content=b"\xc1garbage", headers={
-            "content-type": "application/msgpack", "x-kvgate-replica": "http-fed", "x-kvgate-seq": "1"})
+            "content-type": "application/msgpack", "x-kvgate-replica": "http-fed", "x-kvgate-seq": "1", **auth})
         assert r.status_code == 200 and r.json()["status"] == "malformed"
     finally:
         g.stop()

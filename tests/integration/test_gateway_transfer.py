@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.test_gateway import MODEL, gateway_config, metric_value, sim_fault, sim_requests, wait_until
-from tests.support import Gateway, Sim, start_kvgate, start_sim
+from tests.integration.test_gateway import MODEL, gateway_config, metric_value, sim_fault, sim_requests
+from tests.support import Gateway, Sim, start_kvgate, start_sim, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -17,9 +17,11 @@ import openai
 import pytest
 import yaml
 
-from router.tenants import cache_salt_for
-from tests.integration.test_gateway import MODEL, gateway_config, metric_value, sim_fault, wait_until
-from tests.support import Gateway, Sim, start_kvgate, start_sim
+from kvgate.cache_index.match import reusable_blocks
+from kvgate.router.http.config import TenantsConfig
+from kvgate.router.http.tenants import TenantResolver
+from tests.integration.test_gateway import MODEL, gateway_config, metric_value, sim_fault
+from tests.support import Gateway, Sim, start_kvgate, start_sim, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -27,6 +29,7 @@ BLOCK = 16
 KV_BLOCKS = 96
 """Small GPU caches, so a handful of prompts evicts a replica's older blocks."""
 TENANT_KEYS = {"key-alpha": "alpha", "key-beta": "beta"}
+TENANTS = {"api_keys": TENANT_KEYS, "salt_secret": "index-e2e-salt-secret"}
 SAME_HOLDINGS_WITHIN_S = 1.0
 
 
@@ -47,9 +50,10 @@ def start_subscribed(sim: Sim, workdir: Path, name: str, api_key: str | None = N
     sends before a SUB has joined, so a test's first prompt could otherwise go unseen). With tenants, the probes
     carry the cache salt kvgate derives for ``api_key``'s tenant."""
     g = start_kvgate(workdir, gateway_config(sim, workdir, name, **sections))
-    salt = None if api_key is None else cache_salt_for(TENANT_KEYS[api_key], None)
+    salt = None if api_key is None else TenantResolver(TenantsConfig(**TENANTS)).cache_salt(TENANT_KEYS[api_key], None)
+    auth = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
     try:
-        wait_until(lambda: httpx.get(g.url + "/ready", timeout=5).json().get("routable") == [
+        wait_until(lambda: httpx.get(g.url + "/ready", headers=auth, timeout=5).json().get("routable") == [
             f"sim-{i}" for i in range(sim.replicas)])
         for replica in range(sim.replicas):
             probe = prompt_of(f"{name}-joined-{replica}", words=8)
@@ -78,7 +82,7 @@ def twin_gw(sim: Sim, workdir: Path) -> Iterator[Gateway]:
 
 @pytest.fixture(scope="module")
 def tenant_gw(sim: Sim, workdir: Path) -> Iterator[Gateway]:
-    g = start_subscribed(sim, workdir, "kvgate-tenants.yaml", "key-alpha", tenants={"api_keys": TENANT_KEYS})
+    g = start_subscribed(sim, workdir, "kvgate-tenants.yaml", "key-alpha", tenants=TENANTS)
     yield g
     g.stop()
 
@@ -88,7 +92,7 @@ def prompt_of(label: str, words: int = 20) -> str:
     return " ".join(f"{label}-{i}" for i in range(words))
 
 
-def send(sim: Sim, replica: int, prompt: str, cache_salt: str | None = None) -> int:
+def send(sim: Sim, replica: int, prompt: str | list[int], cache_salt: str | None = None) -> int:
     """One completion straight to a sim replica (its KV events reach every subscribed kvgate); the prompt tokens the
     engine found cached."""
     client = openai.OpenAI(base_url=sim.url(replica) + "/v1", api_key="unused", max_retries=0, timeout=30)
@@ -98,7 +102,7 @@ def send(sim: Sim, replica: int, prompt: str, cache_salt: str | None = None) -> 
     return usage.prompt_tokens_details.cached_tokens or 0
 
 
-def explain(gw: Gateway, prompt: str, api_key: str | None = None) -> dict:
+def explain(gw: Gateway, prompt: str | list[int], api_key: str | None = None) -> dict:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.post(gw.url + "/kvgate/v1/explain", json={"model": MODEL, "prompt": prompt}, headers=headers, timeout=5)
     r.raise_for_status()
@@ -110,8 +114,9 @@ def row(explained: dict, replica: int) -> dict:
 
 
 def full_blocks(explained: dict) -> int:
-    """Tokens of the prompt's full blocks: what a replica holding the whole prompt holds."""
-    return explained["prompt_tokens"] // BLOCK * BLOCK
+    """Tokens of the prompt's reusable blocks: what a replica holding the whole prompt is credited with (its full
+    blocks, less the last one when the prompt ends on a block boundary: the engine computes the last token)."""
+    return reusable_blocks(explained["prompt_tokens"], BLOCK) * BLOCK
 
 
 def gpu_tokens(gw: Gateway, prompt: str, replica: int, api_key: str | None = None) -> int:
@@ -231,6 +236,7 @@ def test_a_restart_hidden_behind_a_gap_is_not_replayed_into_the_old_generation(s
     before = prompt_of("before-hidden-restart")
     send(sim, 0, before)
     generation = row(wait_held(gw, before, 0), 0)["generation"]
+    detected = events_metric(gw, "resets", reason="replay_mismatch") + events_metric(gw, "restarts")
     sim_fault_body(sim, 0, {"action": "drop_events", "fraction": 1.0})
     try:
         send(sim, 0, prompt_of("unseen-before-hidden-restart"))
@@ -246,7 +252,8 @@ def test_a_restart_hidden_behind_a_gap_is_not_replayed_into_the_old_generation(s
     explained = explain(gw, before)
     assert row(explained, 0)["cached_tokens"]["gpu"] == 0 and row(explained, 0)["generation"] > generation
     assert send(sim, 0, before) == 0  # the engine indeed lost it
-    assert events_metric(gw, "resets", reason="replay_mismatch") == 1
+    # the replay's mismatch shows the restart, unless the engine's process start time showed it first
+    assert events_metric(gw, "resets", reason="replay_mismatch") + events_metric(gw, "restarts") > detected
 
 
 def test_a_restart_right_after_a_replay_is_not_taken_for_duplicates(sim: Sim, gw: Gateway) -> None:
@@ -348,7 +355,8 @@ def test_reset_cache_clears_the_replicas_holdings_at_once(sim: Sim, gw: Gateway)
     prompt = prompt_of("reset")
     send(sim, 0, prompt)
     generation = row(wait_held(gw, prompt, 0), 0)["generation"]
-    sim_fault(sim, 1, "reset_cache", 0)  # AllBlocksCleared on the replica's next (immediate) frame
+    sim_fault(sim, 1, "reset_cache", 0)
+    send(sim, 0, prompt_of("after-reset"))  # as in vLLM, AllBlocksCleared goes out with the engine's next step
     wait_gone(gw, prompt, 0)
     assert row(explain(gw, prompt), 0)["generation"] > generation
 
@@ -388,3 +396,91 @@ def test_a_replica_replaced_by_a_reload_keeps_feeding_the_index(sim: Sim, workdi
         wait_until(lambda: send(sim, 1, prompt) >= 0 and gpu_tokens(g, prompt, 1) > 0, interval=0.1)
     finally:
         g.stop()
+
+
+def test_a_prompt_ending_on_a_block_boundary_is_credited_one_block_less(sim: Sim, gw: Gateway) -> None:
+    """The engine always computes the last prompt token: 10 full blocks held, 9 reused."""
+    prompt = [1000 + i for i in range(10 * BLOCK)]
+    send(sim, 1, prompt)
+    wait_until(lambda: row(explain(gw, prompt), 1)["cached_tokens"]["gpu"] > 0)
+    credited = row(explain(gw, prompt), 1)["cached_tokens"]["gpu"]
+    assert credited == 9 * BLOCK == send(sim, 1, prompt)
+    longer = [*prompt, 7]  # one token more: all ten blocks are reused
+    assert row(explain(gw, longer), 1)["cached_tokens"]["gpu"] == 10 * BLOCK == send(sim, 1, longer)
+
+
+def models_section(sim: Sim, **fields: object) -> list[dict]:
+    """The sim's model entry without its block_size, plus ``fields``."""
+    model = {k: v for k, v in yaml.safe_load(sim.config_path.read_text())["models"][0].items() if k != "block_size"}
+    return [{**model, **fields}]
+
+
+def test_the_block_size_is_learned_from_the_engine_when_the_policy_file_has_none(workdir: Path) -> None:
+    """vLLM's CPU attention runs 32-token blocks only; the policy file's default is 16."""
+    big = start_sim(workdir, 2, "--time-scale", "0", "--block-size", "32")
+    g = None
+    try:
+        g = start_kvgate(workdir, gateway_config(big, workdir, "kvgate-bs32.yaml", models=models_section(big)))
+        wait_until(lambda: httpx.get(g.url + "/ready", timeout=5).json().get("routable") == ["sim-0", "sim-1"])
+        prompt = prompt_of("block-size-32", words=40)
+        wait_until(lambda: [r["block_size"] for r in explain(g, prompt)["replicas"]] == [32, 32])  # scraped
+        wait_until(lambda: send(big, 0, prompt) >= 0 and row(explain(g, prompt), 0)["cached_tokens"]["gpu"] > 0,
+                   interval=0.1)
+        explained = explain(g, prompt)
+        assert row(explained, 0)["cached_tokens"]["gpu"] == reusable_blocks(explained["prompt_tokens"], 32) * 32
+        assert row(explained, 0)["cached_tokens"]["gpu"] == send(big, 0, prompt)
+        assert metric_value(g, "kvgate_replica_block_size", replica="sim-0") == 32
+        assert metric_value(g, "kvgate_block_size_mismatch", replica="sim-0") == 0
+    finally:
+        if g is not None:
+            g.stop()
+        big.stop()
+
+
+def test_a_policy_file_block_size_the_engine_contradicts_is_logged_and_metered(workdir: Path) -> None:
+    big = start_sim(workdir, 1, "--time-scale", "0", "--block-size", "32")
+    g = None
+    try:
+        config = gateway_config(big, workdir, "kvgate-bs-mismatch.yaml", models=models_section(big, block_size=16))
+        g = start_kvgate(workdir, config)
+        wait_until(lambda: metric_value(g, "kvgate_block_size_mismatch", replica="sim-0") == 1)
+        assert metric_value(g, "kvgate_replica_block_size", replica="sim-0") == 32
+        for _ in range(3):
+            explain(g, prompt_of("mismatch"))
+        assert g.process.output().count("the policy file says block_size 16, the engine uses 32") == 1
+    finally:
+        if g is not None:
+            g.stop()
+        big.stop()
+
+
+def test_a_restart_with_health_never_failing_is_seen_before_any_new_event(sim: Sim, gw: Gateway) -> None:
+    """The restarted engine publishes nothing until it stores something: its scraped process start time shows it."""
+    prompt = prompt_of("restart-unannounced")
+    send(sim, 0, prompt)
+    generation = row(wait_held(gw, prompt, 0), 0)["generation"]
+    restarts = events_metric(gw, "restarts")
+    frames = next_seq(sim, 0)
+    sim_fault(sim, 1, "restart", 0)
+    wait_until(lambda: gpu_tokens(gw, prompt, 0) == 0, timeout=3.0)
+    assert next_seq(sim, 0) == 0 < frames  # the new engine has published nothing: no event told kvgate
+    explained = explain(gw, prompt)
+    assert row(explained, 0)["healthy"] and row(explained, 0)["generation"] > generation
+    assert events_metric(gw, "restarts") == restarts + 1
+    assert send(sim, 0, prompt) == 0  # the engine indeed lost it
+
+
+def test_what_a_restarted_engine_stored_while_held_down_is_kept_on_recovery(sim: Sim, gw: Gateway) -> None:
+    """The engine restarted and served a request while this gateway still held it down (another gateway saw it up
+    first): those frames are the new process's own, so recovery keeps them."""
+    prompt = prompt_of("served-while-down")
+    sim_fault(sim, 0, "restart", 2)
+    sim_fault(sim, 0, "unhealthy", 2)
+    try:
+        wait_until(lambda: not row(explain(gw, prompt), 2)["healthy"])
+        send(sim, 2, prompt)
+        wait_until(lambda: gpu_tokens(gw, prompt, 2) > 0)
+    finally:
+        sim_fault(sim, 0, "healthy", 2)
+    wait_until(lambda: row(explain(gw, prompt), 2)["healthy"])
+    assert gpu_tokens(gw, prompt, 2) > 0

@@ -13,8 +13,9 @@ import httpx
 import openai
 import pytest
 
-from policies.config import load_config
-from tests.support import Sim, start_sim
+from kvgate.router.config import load_config
+from kvgate.router.http.config import LimitsConfig
+from tests.support import Sim, start_sim, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -208,7 +209,12 @@ async def test_client_disconnect_aborts(sim: Sim) -> None:
                 break  # first chunk received: hang up mid-stream
         task = asyncio.create_task(c.post(sim.url(2) + "/v1/completions", headers={"X-Request-Id": "gone-plain"},
                                           json={**body, "stream": False}))
-        await asyncio.sleep(0.3)
+
+        async def plain_reached_the_replica() -> bool:
+            entries = (await c.get(sim.url(2) + "/sim/requests", params={"limit": 500})).json()["requests"]
+            return any(e["headers"]["x-request-id"] == "gone-plain" for e in entries)
+
+        await wait_until_async(plain_reached_the_replica, "the plain request on the replica", timeout=5.0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -266,6 +272,37 @@ def test_restart_cuts_inflight_and_forgets_cache(sim: Sim, client: openai.OpenAI
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def metric(text: str, name: str) -> float:
+    """The value of the first sample of ``name`` (with or without labels) on a /metrics page."""
+    line = next(line for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_metric_names_are_the_real_engines(sim: Sim) -> None:
+    # The names a real vLLM exported in the trial, and prometheus' standard process start time.
+    prompt = f"{uuid.uuid4()} {DOC}"
+    for _ in range(2):
+        httpx.post(sim.url(1) + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=5)
+    text = httpx.get(sim.url(1) + "/metrics", timeout=5).text
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:request_success_total",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert metric(text, name) >= 0, name
+    assert metric(text, "vllm:prompt_tokens_cached_total") >= metric(text, "vllm:prefix_cache_hits_total") > 0
+    info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and 'num_gpu_blocks="4096"' in info
+    assert abs(metric(text, "process_start_time_seconds") - time.time()) < 3600
+
+
+def test_a_restart_changes_the_process_start_time(sim: Sim) -> None:
+    # A router can tell a restarted engine from one scrape (before any event or failed health check).
+    before = metric(httpx.get(sim.url(2) + "/metrics", timeout=5).text, "process_start_time_seconds")
+    fault(sim, 2, action="restart")
+    after = metric(httpx.get(sim.url(2) + "/metrics", timeout=5).text, "process_start_time_seconds")
+    assert after > before
+    other = metric(httpx.get(sim.url(1) + "/metrics", timeout=5).text, "process_start_time_seconds")
+    assert other < after, "each replica is its own engine process"
+
+
 def test_second_chat_turn_hits_the_first_turns_answer(client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": f"{uuid.uuid4()} " + "You are a helpful assistant. " * 10},
                 {"role": "user", "content": "Tell me a long story about the sea."}]
@@ -298,11 +335,12 @@ CHAT_OPTION_BODIES: list[dict[str, Any]] = [
 async def test_chat_options_tokenize_as_kvgate_does(sim: Sim, body: dict[str, Any]) -> None:
     # The sim stands in for vLLM, so a chat prompt must become the same ids there as in kvgate's own tokenizer,
     # whatever template options the request carries: otherwise routing would look up blocks the engine never stores.
-    from loadgen.assets import TOKENIZER_DIR
-    from policies.config import ModelConfig
-    from router.prompts import PromptTokenizer
+    from kvgate.loadgen.assets import TOKENIZER_DIR
+    from kvgate.policies.config import ModelConfig
+    from kvgate.router.prompts.tokenizer import PromptTokenizer
 
-    prompts = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))])
+    prompts = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))],
+                              limits=LimitsConfig(trust_request_chat_template=True))
     try:
         expected = (await prompts.tokenize(MODEL, "chat", body)).token_ids.tolist()
     finally:
@@ -321,3 +359,22 @@ def test_chat_option_conflicts_are_400(sim: Sim) -> None:
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     r = httpx.post(sim.url(0) + "/v1/chat/completions", json={**body, "continue_final_message": False, "tools": "x"}, timeout=5)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_reset_prefix_cache_answers_as_vllm(sim: Sim) -> None:
+    """vLLM's dev endpoint answers ``{"success": bool}``: false while a request holds blocks (nothing is forgotten),
+    true once idle or with ``reset_running_requests=true`` (running requests are preempted and computed again)."""
+    with httpx.Client(timeout=5) as c:
+        with c.stream("POST", sim.url(1) + "/v1/completions", headers={"X-Request-Id": "held-by-reset"},
+                      json={"model": MODEL, "prompt": DOC, "max_tokens": 60_000, "stream": True}) as r:
+            chunks = r.iter_bytes()
+            next(chunks)  # running, holding its blocks
+            refused = c.post(sim.url(1) + "/reset_prefix_cache")
+            assert refused.status_code == 200 and refused.json() == {"success": False}
+            bad = c.post(sim.url(1) + "/reset_prefix_cache", params={"reset_running_requests": "maybe"})
+            assert bad.status_code == 400
+            forced = c.post(sim.url(1) + "/reset_prefix_cache", params={"reset_running_requests": "true"})
+            assert forced.json() == {"success": True}
+            next(chunks)  # preempted, not aborted: it goes on
+    assert record(sim, 1, "held-by-reset")["status"] == "aborted"  # closed by this client
+    assert httpx.post(sim.url(1) + "/reset_prefix_cache", timeout=5).json() == {"success": True}

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import zmq
 
-from cache_index.vllm_wire import BlockRemoved, BlockStored, KVEventBatch
-from loadgen.sim.block_hash import block_chain
-from tests.support import Sim, start_sim
+from kvgate.loadgen.sim.wire import BlockRemoved, BlockStored, KVEventBatch
+from kvgate.loadgen.sim.block_hash import block_chain
+from tests.support import PROBE_TOKENS, Sim, start_sim
 
 pytestmark = pytest.mark.integration
 
@@ -51,9 +51,9 @@ def collect(sim: Sim, replica: int, action: Any, until: Any) -> list[Any]:
     sub.connect(sim.events_endpoint(replica))
     try:
         deadline = time.monotonic() + DEADLINE_S
-        while not sub.poll(100):  # wait until subscribed: resets publish an AllBlocksCleared batch
+        while not sub.poll(100):  # wait until subscribed: a reset and a step publish an AllBlocksCleared batch
             assert time.monotonic() < deadline, "subscriber never joined"
-            httpx.post(sim.url(replica) + "/reset_prefix_cache", timeout=2)
+            sim.reset_and_step(replica)
         while sub.poll(100):
             sub.recv_multipart()
         action()
@@ -93,12 +93,18 @@ def test_small_cache_evicts_and_demotes_to_cpu(small: Sim) -> None:
         for prompt in (first, second, third):
             complete(small, 0, {"prompt": prompt})
 
-    events = collect(small, 0, run, lambda evs: sum(isinstance(e, BlockRemoved) for e in evs) >= 1)
+    probe = {k.event_hash for k in block_chain(PROBE_TOKENS, 16)}  # collect's own block, older than the prompts
+
+    def not_probe(e: BlockStored | BlockRemoved) -> bool:
+        return e.block_hashes[0] not in probe
+
+    events = collect(small, 0, run, lambda evs: sum(isinstance(e, BlockRemoved) and not_probe(e) for e in evs) >= 1)
     removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert removed and all(e.medium == "GPU" and len(e.block_hashes) == 1 for e in removed)
+    removed = [e for e in removed if not_probe(e)]
     first_hashes = {k.event_hash for k in block_chain(tokens(small, first), 16)}
     assert removed[0].block_hashes[0] in first_hashes, "the least recently used prompt goes first"
-    cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU" and not_probe(e)]
     assert cpu and cpu[0].block_hashes == removed[0].block_hashes
     rid = uuid.uuid4().hex
     again = complete(small, 0, {"prompt": first}, rid)

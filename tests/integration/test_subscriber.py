@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
-from cache_index.index import PrefixIndex
-from cache_index.ingest import EventIngestor
-from cache_index.keys import block_keys, namespace_key
-from cache_index.subscriber import SubscriptionManager
-from cache_index.vllm_wire import END_SEQ, BlockStored, KVEventBatch, encode_seq
-from tests.support import free_port_block
+from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.ingest import EventIngestor
+from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.subscriber import SubscriptionManager
+from kvgate.cache_index.vllm_wire import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch, encode_seq
+from tests.support import free_port_block, wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -28,6 +28,20 @@ DEADLINE_S = 5.0
 def payload(block: int) -> bytes:
     parent = None if block == 0 else block
     event = BlockStored([block + 1], parent, TOKENS[block * BS : (block + 1) * BS], BS, None, "GPU", None)
+    return msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[event], data_parallel_rank=0))
+
+
+def cleared_then(block: int) -> bytes:
+    """vLLM's batch after ``/reset_prefix_cache``: ``AllBlocksCleared`` goes out with the next step's stores (here a
+    fresh chain head: the reset forgot every parent)."""
+    event = BlockStored([block + 1], None, TOKENS[:BS], BS, None, "GPU", None)
+    return msgspec.msgpack.encode(
+        KVEventBatch(ts=time.time(), events=[AllBlocksCleared(), event], data_parallel_rank=0))
+
+
+def extends(block: int, parent: int) -> bytes:
+    """A frame storing one block under ``parent`` (an engine hash), holding tokens block..block+1 of TOKENS."""
+    event = BlockStored([block + 1], parent, TOKENS[BS : 2 * BS], BS, None, "GPU", None)
     return msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[event], data_parallel_rank=0))
 
 
@@ -73,14 +87,6 @@ class FakeEngine:
         self.router.close(0)
 
 
-async def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 @pytest.fixture
 async def fleet() -> AsyncIterator[tuple[zmq.asyncio.Context, PrefixIndex, EventIngestor, SubscriptionManager]]:
     context = zmq.asyncio.Context()
@@ -100,9 +106,13 @@ def held_tokens(index: PrefixIndex) -> int:
     return 0 if match is None else match.total
 
 
-async def connect(engine: FakeEngine, ingestor: EventIngestor) -> None:
-    """Publish frame 0 until the subscription is live (ZMQ drops PUB messages sent before a SUB has joined)."""
+async def connect(engine: FakeEngine, ingestor: EventIngestor, *, replay: bool = True) -> None:
+    """Publish frame 0 until the subscription is live (ZMQ drops PUB messages sent before a SUB has joined); with
+    ``replay``, once the subscription has caught up from the (still empty) replay buffer at its start."""
     deadline = time.monotonic() + DEADLINE_S
+    if replay:
+        await wait_until_async(lambda: engine.replay_requests == [0], "the catch-up at the subscription's start")
+        engine.replay_requests.clear()
     while ingestor.expected_seq("r") != 1:
         assert time.monotonic() < deadline, "subscriber never received frame 0"
         await engine.publish(0, payload(0))
@@ -121,7 +131,7 @@ async def test_live_frames_apply_and_a_dropped_frame_is_repaired_by_replay(fleet
         await engine.publish(3, payload(3))
         for seq in range(4, 10):
             await engine.publish(seq, payload(seq))
-        await wait_until(lambda: held_tokens(index) == len(TOKENS), "all ten blocks")
+        await wait_until_async(lambda: held_tokens(index) == len(TOKENS), "all ten blocks")
         assert engine.replay_requests == [1]  # from the last frame applied, to check it is the same engine
         assert ingestor.stats.gaps_detected == 1
         assert ingestor.stats.replays_succeeded == 1 and ingestor.stats.purges == 0
@@ -139,7 +149,7 @@ async def test_replay_that_no_longer_covers_the_gap_purges(fleet) -> None:
         await engine.publish(2, payload(2), drop=True)
         del engine.buffer[2]  # fell out of the engine's replay buffer
         await engine.publish(3, payload(3))
-        await wait_until(lambda: ingestor.expected_seq("r") == 4, "frame 3")
+        await wait_until_async(lambda: ingestor.expected_seq("r") == 4, "frame 3")
         assert engine.replay_requests == [1]
         assert ingestor.stats.replays_failed == 1 and ingestor.stats.purges == 1
         assert held_tokens(index) == 0  # block 3's parent was purged: nothing is guessed
@@ -154,13 +164,13 @@ async def test_an_engine_restarted_behind_a_gap_is_reset_not_replayed_into_the_o
         manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
         await connect(engine, ingestor)
         await engine.publish(1, payload(1))
-        await wait_until(lambda: held_tokens(index) == 8, "two blocks")
+        await wait_until_async(lambda: held_tokens(index) == 8, "two blocks")
         engine.buffer.clear()  # restarted: counts from 0 again, and kvgate misses every frame up to seq 4
         empty = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[]))
         for seq in range(4):
             await engine.publish(seq, empty, drop=True)
         await engine.publish(4, empty)
-        await wait_until(lambda: ingestor.expected_seq("r") == 5, "frame 4")
+        await wait_until_async(lambda: ingestor.expected_seq("r") == 5, "frame 4")
         assert engine.replay_requests == [1]
         assert ingestor.stats.replays_failed == 1 and ingestor.stats.resets["replay_mismatch"] == 1
         assert ingestor.generation("r") == 1 and held_tokens(index) == 0
@@ -175,14 +185,14 @@ async def test_an_engine_restarted_right_after_a_replay_is_not_taken_for_duplica
         manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
         await connect(engine, ingestor)
         await engine.publish(1, payload(1))
-        await wait_until(lambda: held_tokens(index) == 8, "two blocks")
+        await wait_until_async(lambda: held_tokens(index) == 8, "two blocks")
         await engine.publish(2, payload(2), drop=True)
         await engine.publish(3, payload(3))
-        await wait_until(lambda: held_tokens(index) == 16, "four blocks, the third one replayed")
+        await wait_until_async(lambda: held_tokens(index) == 16, "four blocks, the third one replayed")
         engine.buffer.clear()  # restarted: its frame 0 reuses a number the replay already covered
         await engine.publish(0, msgspec.msgpack.encode(
             KVEventBatch(ts=time.time(), events=[BlockStored([100], None, TOKENS[:4], BS, None, "GPU", None)])))
-        await wait_until(lambda: ingestor.generation("r") == 1, "the restart")
+        await wait_until_async(lambda: ingestor.generation("r") == 1, "the restart")
         assert ingestor.stats.resets["restart_after_replay"] == 1 and ingestor.stats.dropped["duplicate"] == 0
         assert held_tokens(index) == 4
     finally:
@@ -194,16 +204,16 @@ async def test_without_replay_a_gap_purges_and_the_index_rebuilds_from_new_frame
     engine = FakeEngine(context, free_port_block(2))
     try:
         subscriber = manager.start("r", engine.endpoint, None, topic="kv")
-        await connect(engine, ingestor)
+        await connect(engine, ingestor, replay=False)
         await engine.publish(1, payload(1))
-        await wait_until(lambda: held_tokens(index) == 8, "two blocks")
+        await wait_until_async(lambda: held_tokens(index) == 8, "two blocks")
         await engine.publish(2, payload(2), drop=True)
         await engine.publish(3, payload(3))  # orphan after the purge: its parent was forgotten
         restarted_chain = msgspec.msgpack.encode(
             KVEventBatch(ts=1.0, events=[BlockStored([100, 101], None, TOKENS[:8], BS, None, "GPU", None)])
         )
         await engine.publish(4, restarted_chain)
-        await wait_until(lambda: ingestor.expected_seq("r") == 5, "frame 4")
+        await wait_until_async(lambda: ingestor.expected_seq("r") == 5, "frame 4")
         assert ingestor.stats.purges == 1 and ingestor.stats.replays_requested == 0
         assert ingestor.stats.dropped["orphan"] == 1
         assert held_tokens(index) == 8
@@ -222,7 +232,7 @@ async def test_bad_frames_are_counted_and_never_stop_the_subscription(fleet) -> 
         await engine.pub.send_multipart([b"kv", b"a", b"b", b"c"])
         await engine.pub.send_multipart([b"kv", encode_seq(1), b"\xc1 not msgpack"])
         await engine.publish(2, payload(0))
-        await wait_until(lambda: ingestor.expected_seq("r") == 3, "frame 2")
+        await wait_until_async(lambda: ingestor.expected_seq("r") == 3, "frame 2")
         assert subscriber.malformed_frames == 2
         assert ingestor.stats.dropped["malformed"] == 3
         assert held_tokens(index) == 4
@@ -238,7 +248,7 @@ async def test_a_silent_stream_is_reconnected_and_keeps_working(fleet) -> None:
         subscriber = manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
         assert manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv") is subscriber
         await connect(engine, ingestor)
-        await wait_until(lambda: subscriber.reconnects >= 2, "two idle reconnects")
+        await wait_until_async(lambda: subscriber.reconnects >= 2, "two idle reconnects")
         # a fresh SUB socket needs a moment to join again: keep publishing (empty) frames; one that arrives after
         # frame 1 was missed is a gap that replay repairs
         await engine.publish(1, payload(1))
@@ -265,8 +275,30 @@ async def test_a_replica_stopped_and_subscribed_again_at_once_keeps_its_new_subs
         new = manager.start("r", engine.endpoint, None, topic="kv")
         await stopping
         assert new is not old and manager.subscribers() == [new]
-        await connect(engine, ingestor)
+        await connect(engine, ingestor, replay=False)
         assert held_tokens(index) == 4
+    finally:
+        await engine.close()
+
+
+async def test_joining_an_idle_engine_catches_up_at_once(fleet) -> None:
+    """An engine that published before kvgate subscribed and has been idle since: its history is applied from the
+    replay buffer when the subscription starts, without waiting for a live frame."""
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, free_port_block(2))
+    try:
+        for seq in range(4):
+            await engine.publish(seq, payload(seq), drop=True)
+        subscriber = manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
+        await wait_until_async(lambda: held_tokens(index) == 16, "the history, with no live frame")
+        assert engine.replay_requests == [0] and ingestor.expected_seq("r") == 4
+        assert ingestor.stats.replays_succeeded == 1 and subscriber.frames_received == 0
+        deadline = time.monotonic() + DEADLINE_S
+        while ingestor.expected_seq("r") == 4:  # the live stream goes on from there (once the SUB has joined)
+            assert time.monotonic() < deadline, "no live frame arrived"
+            await engine.publish(4, payload(4))
+            await asyncio.sleep(0.02)
+        assert held_tokens(index) == 20 and ingestor.stats.purges == 0 and ingestor.stats.gaps_detected == 0
     finally:
         await engine.close()
 
@@ -285,9 +317,53 @@ async def test_joining_a_running_engine_catches_up_from_its_replay_buffer(fleet)
             await engine.publish(seq, payload(seq))
             seq += 1
             await asyncio.sleep(0.02)
-        await wait_until(lambda: held_tokens(index) >= 20, "the history and the live frame")
+        await wait_until_async(lambda: held_tokens(index) >= 20, "the history and the live frame")
         assert engine.replay_requests == [0]
         assert ingestor.stats.replays_succeeded == 1 and ingestor.stats.purges == 0
+    finally:
+        await engine.close()
+
+
+async def test_catching_up_across_a_cache_reset_applies_what_followed_it(fleet) -> None:
+    """The replay from 0 carries the reset's AllBlocksCleared: the frames after it belong to the new generation."""
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, free_port_block(2))
+    try:
+        for seq in range(3):
+            await engine.publish(seq, payload(seq), drop=True)
+        await engine.publish(3, cleared_then(50), drop=True)
+        await engine.publish(4, extends(60, parent=51), drop=True)
+        manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
+        seq = 5
+        deadline = time.monotonic() + DEADLINE_S
+        while ingestor.expected_seq("r") is None:  # until the SUB has joined
+            assert time.monotonic() < deadline, "no live frame arrived"
+            await engine.publish(seq, msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[])))
+            seq += 1
+            await asyncio.sleep(0.02)
+        await wait_until_async(lambda: held_tokens(index) == 2 * BS, "the two blocks stored after the reset")
+        assert engine.replay_requests == [0]
+        assert ingestor.stats.replays_succeeded == 1 and ingestor.stats.replays_failed == 0
+        assert ingestor.stats.purges == 0 and ingestor.generation("r") == 1
+    finally:
+        await engine.close()
+
+
+async def test_a_gap_repaired_across_a_cache_reset_applies_what_followed_it(fleet) -> None:
+    context, index, ingestor, manager = fleet
+    engine = FakeEngine(context, free_port_block(2))
+    try:
+        manager.start("r", engine.endpoint, engine.replay_endpoint, topic="kv")
+        await connect(engine, ingestor)
+        await engine.publish(1, payload(1))
+        await wait_until_async(lambda: held_tokens(index) == 2 * BS, "two blocks")
+        await engine.publish(2, cleared_then(50), drop=True)
+        await engine.publish(3, extends(60, parent=51), drop=True)
+        await engine.publish(4, msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[])))
+        await wait_until_async(lambda: ingestor.expected_seq("r") == 5, "frame 4")
+        assert held_tokens(index) == 2 * BS  # the new generation's two blocks, not the old one's
+        assert ingestor.stats.replays_succeeded == 1 and ingestor.stats.replays_failed == 0
+        assert ingestor.stats.purges == 0 and ingestor.generation("r") == 1
     finally:
         await engine.close()
 
@@ -299,9 +375,9 @@ async def test_an_unreachable_replay_endpoint_times_out_and_purges(fleet) -> Non
     nobody = f"tcp://127.0.0.1:{int(engine.endpoint.rsplit(':', 1)[1]) + 2}"
     try:
         manager.start("r", engine.endpoint, nobody, topic="kv")
-        await connect(engine, ingestor)
+        await connect(engine, ingestor, replay=False)
         await engine.publish(2, payload(2))
-        await wait_until(lambda: ingestor.expected_seq("r") == 3, "frame 2 after the failed replay")
+        await wait_until_async(lambda: ingestor.expected_seq("r") == 3, "frame 2 after the failed replay")
         assert ingestor.stats.replays_requested == 1 and ingestor.stats.replays_failed == 1
         assert ingestor.stats.purges == 1
         assert held_tokens(index) == 0

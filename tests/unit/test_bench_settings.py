@@ -1,4 +1,11 @@
-from loadgen.bench import run_settings
+import argparse
+from pathlib import Path
+
+import yaml
+
+from kvgate.loadgen.bench import HINTS_TOKEN, add_arguments, describe_sim_speed, hint_configs, run_settings, run_spec
+from kvgate.loadgen.sim.params import SimParams
+from kvgate.router.config import KvgateConfig
 
 
 def test_baselines_run_without_replication_unless_told_otherwise() -> None:
@@ -7,3 +14,48 @@ def test_baselines_run_without_replication_unless_told_otherwise() -> None:
     assert run_settings([], "prefix_affinity") == ["replication.enabled=false"]
     assert run_settings(["scrape.interval_ms=50"], "round_robin") == ["replication.enabled=false", "scrape.interval_ms=50"]
     assert run_settings(["replication.enabled=true"], "least_loaded") == ["replication.enabled=true"]
+
+
+def test_a_slowed_sim_is_described_to_the_router_at_its_wall_clock_speed(tmp_path: Path) -> None:
+    config = tmp_path / "fleet.yaml"
+    written = {"replicas": [{"name": "sim-0", "url": "http://127.0.0.1:1"}], "models": [{"name": "m", "block_size": 16}]}
+    config.write_text(yaml.safe_dump(written))
+    describe_sim_speed(config, 1.0)
+    assert yaml.safe_load(config.read_text()) == written
+    describe_sim_speed(config, 4.0)
+    sim = SimParams(model="")
+    prefill = yaml.safe_load(config.read_text())["models"][0]["prefill"]
+    assert prefill == {"fixed_ms": sim.request_overhead_ms * 4, "per_token_ms": sim.prefill_ms_per_token * 4}
+    transfer = yaml.safe_load(config.read_text())["transfer"]
+    assert transfer == {"setup_ms": sim.transfer_setup_ms * 4, "bandwidth_gib_s": sim.transfer_gib_s / 4}
+    KvgateConfig.model_validate(yaml.safe_load(config.read_text()))
+
+
+def test_gateways_with_hints_each_publish_and_hear_every_other(tmp_path: Path) -> None:
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump({"replicas": [{"name": "sim-0", "url": "http://127.0.0.1:1"}],
+                                      "server": {"admin_token": "a"}}))
+    labels = ["cost", "cost-gw2", "cost-gw3"]
+    docs = [yaml.safe_load(p.read_text()) for p in hint_configs(config, tmp_path / "logs", labels)]
+    binds = [d["peers"]["hints"]["bind"] for d in docs]
+    assert len(set(binds)) == 3
+    for d, bind in zip(docs, binds):
+        assert sorted(d["peers"]["hints"]["connect"]) == sorted(b for b in binds if b != bind)
+        assert d["server"] == {"admin_token": "a", "peer_token": HINTS_TOKEN}
+        KvgateConfig.model_validate(d)
+
+
+def test_pd_runs_use_the_cost_policy_on_the_roles_fleet_with_their_mode() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workload", "pd-mix", "--set", "scrape.interval_ms=50"])
+    assert run_spec(args, "cost") == run_spec(args, "pd-cost").__class__("cost", None, ["scrape.interval_ms=50"])
+    pd_cost, always, threshold = (run_spec(args, name) for name in ("pd-cost", "pd-always", "pd-threshold"))
+    assert (pd_cost.policy, pd_cost.roles) == ("cost", "prefill:2,decode:6")
+    assert pd_cost.settings == ["scrape.interval_ms=50", "disaggregation.mode=cost"]
+    assert always.settings[-1] == "disaggregation.mode=always"
+    assert threshold.settings[-2:] == ["disaggregation.mode=threshold", "disaggregation.threshold_tokens=16"]
+    vllm_router = run_spec(args, "vllm-router")
+    assert (vllm_router.policy, vllm_router.roles, vllm_router.settings) == (None, "prefill:2,decode:6", [])
+    assert run_spec(args, "sglang").roles is None
+    assert run_spec(args, "round_robin").settings == ["replication.enabled=false", "scrape.interval_ms=50"]

@@ -3,8 +3,8 @@ probe → its success closes, its failure reopens."""
 
 from __future__ import annotations
 
-from policies.config import BreakerConfig
-from router.breaker import CircuitBreaker
+from kvgate.router.upstream.breaker import CircuitBreaker
+from kvgate.router.upstream.config import BreakerConfig
 
 
 class FakeClock:
@@ -46,7 +46,7 @@ def test_half_open_admits_exactly_one_probe_and_success_closes() -> None:
     assert b.state == "closed" and b.allow() and b.consecutive_failures == 0
 
 
-def test_failed_probe_reopens_for_another_period() -> None:
+def test_failed_probe_reopens_for_a_doubled_period() -> None:
     b, clock = make(failures=2, open_s=5)
     b.record_failure()
     b.record_failure()
@@ -54,7 +54,7 @@ def test_failed_probe_reopens_for_another_period() -> None:
     b.on_dispatch()
     b.record_failure()
     assert b.state == "open" and not b.allow()
-    clock.now += 4.9
+    clock.now += 9.9
     assert b.state == "open"
     clock.now += 0.1
     assert b.state == "half_open" and b.allow()

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from policies.calibration import Calibrator
-from policies.config import CalibrationConfig, PrefillCost
+from kvgate.policies.calibration import Calibrator
+from kvgate.policies.config import CalibrationConfig, PrefillCost
 
 BASE = PrefillCost(fixed_ms=20, per_token_ms=0.035)
 TRUE_FIXED, TRUE_PER_TOKEN = 26.0, 0.042

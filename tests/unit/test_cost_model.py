@@ -1,13 +1,14 @@
-"""The cost model's arithmetic: prefill, queue delay, per-tier credit, transfer estimates (DESIGN.md's constants)."""
+"""The cost model's arithmetic: prefill, queue delay, per-tier credit, transfer estimates (the simulated fleet's constants in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cache_index.match import PrefixMatch
-from policies.base import ReplicaView, RouteRequest
-from policies.config import KvgateConfig, PrefillCost, TransferConfig, parse_config
-from policies.cost_model import GIB, CostModel
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.policies.base import ReplicaView, RouteRequest
+from kvgate.policies.config import PrefillCost, TransferConfig
+from kvgate.policies.cost_model import GIB, CostModel
+from kvgate.router.config import KvgateConfig, parse_config
 
 DEFAULT = PrefillCost()  # 20 ms + 0.035 ms/token
 NIXL = TransferConfig(connector="nixl")  # 12 ms setup, 22 GiB/s, min 1024 tokens
@@ -40,10 +41,11 @@ def test_from_config_takes_the_models_entry() -> None:
         "models: [{name: a}, {name: b, prefill: {fixed_ms: 5, per_token_ms: 0.1}, kv_bytes_per_token: 1000}]\n"
         "transfer: {connector: nixl}\n"
     )
-    b = CostModel.from_config(config, "b")
+    b = CostModel.from_config(config.model_or_first("b"), config.policy, config.transfer)
     assert (b.prefill.fixed_ms, b.kv_bytes_per_token, b.transfer_enabled) == (5, 1000, True)
-    assert CostModel.from_config(config, "unknown").prefill == PrefillCost()
-    assert CostModel.from_config(KvgateConfig()).transfer_enabled is False
+    assert CostModel.from_config(config.model_or_first("unknown"), config.policy, config.transfer).prefill == PrefillCost()
+    empty = KvgateConfig()
+    assert CostModel.from_config(empty.model_or_first(None), empty.policy, empty.transfer).transfer_enabled is False
 
 
 def test_queue_delay_counts_own_prefills_foreign_waiting_and_decodes() -> None:
@@ -86,7 +88,7 @@ def test_approximate_matches_are_discounted() -> None:
 
 
 def test_long_prefix_transfer_beats_recompute_about_4x() -> None:
-    # DESIGN.md: whole-GPU recompute 0.06 ms/token, 320 KiB/token, 22 GiB/s + 12 ms setup.
+    # whole-GPU recompute 0.06 ms/token, 320 KiB/token, 22 GiB/s + 12 ms setup.
     m = model(PrefillCost(fixed_ms=20, per_token_ms=0.06))
     r = request(40_016)
     source, dest = view("warm", gpu=40_000), view("idle")

@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from router.errors import ApiError, install_error_handlers
+from kvgate.router.http.errors import ApiError, install_error_handlers
 
 
 class Item(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.first_token import MAX_HELD_BYTES, holds_output, read_to_first_token
+from kvgate.router.upstream.first_token import MAX_HELD_BYTES, holds_output, read_to_first_token
 
 ROLE = (b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
         b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')

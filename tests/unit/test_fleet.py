@@ -3,8 +3,6 @@ real aiohttp engine stand-in on loopback."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -12,11 +10,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cache_index.match import PrefixMatch
-from policies.config import KvgateConfig, ReplicaConfig, parse_config
-from router.fleet import Fleet, FleetListener, Replica
-from router.health import HealthState
-from router.scrape import ScrapedLoad
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.router.config import KvgateConfig, parse_config
+from kvgate.router.fleet.config import ReplicaConfig
+from kvgate.router.fleet.state import Fleet, FleetListener, Replica
+from kvgate.router.upstream.health import HealthState
+from kvgate.router.upstream.scrape import ScrapedLoad
+from tests.support import wait_until_async
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -51,6 +51,9 @@ class Recorder(FleetListener):
 
     def on_reset(self, name: str, reason: str) -> None:
         self.events.append(("reset", name, reason))
+
+    def on_recovered(self, name: str, started_at: float | None) -> None:
+        self.events.append(("recovered", name, str(started_at)))
 
 
 def config(*names: str, extra: str = "") -> KvgateConfig:
@@ -218,6 +221,8 @@ class FakeEngine:
     def __init__(self) -> None:
         self.healthy = True
         self.metrics = VLLM_METRICS
+        self.metrics_status = 200
+        self.scrapes = 0
         self.app = web.Application()
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
@@ -230,7 +235,8 @@ class FakeEngine:
         return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "parent": None}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics)
+        self.scrapes += 1
+        return web.Response(text=self.metrics, status=self.metrics_status)
 
 
 @pytest.fixture
@@ -245,14 +251,6 @@ async def engine() -> AsyncIterator[tuple[FakeEngine, str]]:
         yield eng, f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 async def test_health_loop_marks_down_and_recovery_bumps_generation(
@@ -274,12 +272,13 @@ async def test_health_loop_marks_down_and_recovery_bumps_generation(
         assert [m["id"] for m in fleet.models()] == ["m"]
         assert r.scraped is not None and (r.scraped.waiting, r.scraped.running) == (7, 3)
         eng.healthy = False
-        await wait_for(lambda: not r.healthy)
+        await wait_until_async(lambda: not r.healthy)
         assert fleet.routable() == [] and fleet.models() == []
         eng.healthy = True
-        await wait_for(lambda: r.healthy)
+        await wait_until_async(lambda: r.healthy)
         assert r.generation == 1
-        assert rec.events == [("added", "e"), ("reset", "e", "down"), ("reset", "e", "recovered")]
+        # The recovery carries the process start time scraped at that moment (this engine exports none).
+        assert rec.events == [("added", "e"), ("reset", "e", "down"), ("recovered", "e", "None")]
     finally:
         await fleet.stop()
 
@@ -291,7 +290,7 @@ async def test_added_replica_gets_probed(session: aiohttp.ClientSession, engine:
     try:
         r = fleet.add(ReplicaConfig(name="late", url=url))
         assert not r.routable()
-        await wait_for(lambda: r.routable() and r.scraped is not None)
+        await wait_until_async(lambda: r.routable() and r.scraped is not None)
         assert r.scraped is not None and r.scraped.kv_usage == 0.25
     finally:
         await fleet.stop()
@@ -305,3 +304,68 @@ def test_health_state_flips_only_after_streaks() -> None:
     assert state.observe(False, cfg) == "down"
     assert [state.observe(ok, cfg) for ok in (True, False, True)] == [None, None, None]
     assert state.observe(True, cfg) == "up"
+
+
+async def test_a_moved_process_start_time_reports_a_restart_within_a_scrape(
+    session: aiohttp.ClientSession, engine: tuple[FakeEngine, str]
+) -> None:
+    eng, url = engine
+    eng.metrics = VLLM_METRICS + "process_start_time_seconds 1700000000.25\n"
+    cfg = parse_config(f"replicas: [{{name: e, url: '{url}'}}]\nhealth: {{interval_s: 10}}\nscrape: {{interval_ms: 20}}\n")
+    fleet = Fleet(cfg, session)
+    restarts: list[tuple[str, float]] = []
+
+    class Restarts(FleetListener):
+        def on_restarted(self, name: str, started_at: float) -> None:
+            restarts.append((name, started_at))
+
+    fleet.listeners.append(Restarts())
+    await fleet.start()
+    try:
+        r = fleet.replicas["e"]
+        assert r.engine_started_at == 1700000000.25 and restarts == []  # the first start seen is no restart
+        eng.metrics = VLLM_METRICS + "process_start_time_seconds 1700000100.5\n"
+        await wait_until_async(lambda: restarts == [("e", 1700000100.5)])
+        assert r.healthy  # health never failed
+        eng.metrics = VLLM_METRICS  # stops exporting it: nothing is inferred
+        served = eng.scrapes
+        await wait_until_async(lambda: eng.scrapes >= served + 3)  # the fleet has read two of them (it scrapes in turn)
+        assert restarts == [("e", 1700000100.5)]
+    finally:
+        await fleet.stop()
+
+
+async def test_a_recovery_whose_scrape_fails_waits_for_the_engines_start_time(
+    session: aiohttp.ClientSession, engine: tuple[FakeEngine, str]
+) -> None:
+    """The recovery tells the index the engine's process start time, which decides whether what the index learned
+    while the replica was down is kept. A /metrics that does not answer at that moment (an engine busy on a small
+    machine) must not turn the recovery into a blind reset: the replica waits for the next health probe's scrape
+    before it takes requests, and recovers with the start time."""
+    eng, url = engine
+    eng.metrics = VLLM_METRICS + "process_start_time_seconds 1700000000.25\n"
+    cfg = parse_config(
+        f"replicas: [{{name: e, url: '{url}'}}]\n"
+        "health: {interval_s: 0.1, timeout_s: 0.5, failures_to_down: 1, successes_to_up: 1}\n"
+        "scrape: {interval_ms: 20}\n"
+    )
+    fleet = Fleet(cfg, session)
+    rec = Recorder()
+    fleet.listeners.append(rec)
+    await fleet.start()
+    try:
+        r = fleet.replicas["e"]
+        eng.healthy = False
+        await wait_until_async(lambda: not r.healthy and ("reset", "e", "down") in rec.events)
+        eng.metrics = VLLM_METRICS + "process_start_time_seconds 1700000100.5\n"  # restarted while down
+        eng.metrics_status = 503
+        scrapes = eng.scrapes
+        eng.healthy = True
+        await wait_until_async(lambda: eng.scrapes > scrapes)  # the recovery's scrape failed
+        assert not r.routable()
+        eng.metrics_status = 200
+        await wait_until_async(lambda: r.healthy)
+        assert rec.events[-1] == ("recovered", "e", "1700000100.5")
+        assert r.generation == 1
+    finally:
+        await fleet.stop()

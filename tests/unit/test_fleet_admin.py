@@ -10,10 +10,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from router.admin import ADMIN_TOKEN_ENV, build_admin_router
-from router.errors import install_error_handlers
-from router.fleet import Fleet
-from router.reload import ConfigHolder
+from kvgate.router.fleet.state import Fleet
+from kvgate.router.http.admin import build_admin_router
+from kvgate.router.http.auth import ADMIN_TOKEN_ENV
+from kvgate.router.http.errors import install_error_handlers
+from kvgate.router.ops.reload import ConfigHolder
 
 CONFIG = """\
 server: {admin_token: s3cret}
@@ -64,7 +65,7 @@ async def test_token_required(admin) -> None:  # type: ignore[no-untyped-def]
 async def test_admin_off_without_token_is_404(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
     path = tmp_path / "kvgate.yaml"
-    path.write_text("replicas: []\n")
+    path.write_text("replicas: [{name: a, url: 'http://127.0.0.1:9'}]\n")
     holder = ConfigHolder(path)
     async with aiohttp.ClientSession() as session:
         app = FastAPI()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cache_index.index import PrefixIndex
-from cache_index.keys import block_keys, namespace_key
-from cache_index.match import PrefixMatch, Tier
+from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.match import PrefixMatch, Tier
 
 BS = 4
 
@@ -179,3 +179,78 @@ def test_eviction_counts_only_live_holdings() -> None:
     stats = index.stats()
     assert stats.entries == 4 and stats.evictions == 2
     assert index.lookup(k, BS) == {"b": PrefixMatch(gpu=8)}  # the first chain lost its two leaves
+
+
+def test_a_shorter_prediction_expires_first_and_never_shortens_a_longer_one() -> None:
+    now = [0.0]
+    index = PrefixIndex(predicted_ttl_s=2.0, clock=lambda: now[0])
+    index.predict("a", [1, 2])
+    index.predict("b", [1, 2], ttl_s=0.5)
+    index.predict("a", [1, 2], ttl_s=0.5)
+    now[0] = 1.0
+    found = index.lookup([1, 2], 4)
+    assert set(found) == {"a"} and found["a"].predicted == 8
+    index.predict("b", [1, 2], ttl_s=60.0)  # never longer than this index's own TTL
+    now[0] = 3.5
+    assert index.lookup([1, 2], 4) == {}
+
+
+def test_a_full_cache_loses_its_least_recently_used_tail_first() -> None:
+    """On a full replica the next allocations evict its least recently stored or dispatched blocks, chain tails
+    first: a match is cut at its first block within the reach of the blocks still to be allocated there."""
+    index = PrefixIndex()
+    old = block_keys(namespace_key("m"), list(range(100, 100 + 4 * BS)), BS)
+    hot = block_keys(namespace_key("m"), list(range(200, 200 + 4 * BS)), BS)
+    index.store("a", old, Tier.GPU, 0)
+    index.store("a", hot, Tier.GPU, 0)
+    # Room for 8 more blocks: nothing is at risk yet.
+    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=8) == 4
+    # 2 blocks beyond the free ones: the old chain's last two go (tail first), the recent chain keeps all.
+    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=10) == 2
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=10) == 4
+    # A dispatch of the old prompt makes it the most recent: now the other chain's tail is at risk.
+    index.touch("a", old)
+    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=10) == 4
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=10) == 2
+    # Once the engine has evicted in this generation it has no never-used blocks left, whatever kvgate knows of.
+    index.evicted("a")
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=2) == 2
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=8) == 0
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=0) == 4
+    # Removed and forgotten blocks leave the order; a new generation has not evicted yet.
+    index.remove("a", hot[3:], Tier.GPU)
+    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=4) == 3
+    index.reset_replica("a", 1, wiped=True)  # a restart or a cache reset: never-used blocks again
+    index.store("a", hot, Tier.GPU, 1)
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=12) == 4
+    assert index.surviving_blocks("b", hot, capacity_blocks=16, incoming_blocks=100) == 4  # unknown: not ours to cut
+
+
+def test_unconfirmed_predictions_count_as_blocks_still_to_allocate() -> None:
+    """A prompt sent to a replica whose BlockStored has not arrived: its blocks, and what they evict, are not applied
+    yet, even when the router no longer counts the request as prefilling."""
+    index = PrefixIndex(clock=FakeClock())
+    old = block_keys(namespace_key("m"), list(range(100, 100 + 4 * BS)), BS)
+    new = block_keys(namespace_key("m"), list(range(300, 300 + 3 * BS)), BS)
+    index.store("a", old, Tier.GPU, 0)
+    index.evicted("a")
+    assert index.surviving_blocks("a", old, capacity_blocks=4, incoming_blocks=0) == 4
+    index.predict("a", new)
+    assert index.surviving_blocks("a", old, capacity_blocks=4, incoming_blocks=0) == 1
+    index.store("a", new, Tier.GPU, 0)  # confirmed (the same batch carried the evictions)
+    assert index.surviving_blocks("a", old, capacity_blocks=4, incoming_blocks=0) == 4
+
+
+def test_a_replica_that_was_evicting_still_is_after_a_reset_that_kept_its_cache() -> None:
+    """kvgate forgets at a health loss, but the engine keeps its full cache: it still evicts on every allocation.
+    Only a restart or a cache reset empties it."""
+    index = PrefixIndex()
+    k = keys(4)
+    index.store("a", k, Tier.GPU, 0)
+    index.evicted("a")
+    index.reset_replica("a", 1)
+    index.store("a", k, Tier.GPU, 1)
+    assert index.surviving_blocks("a", k, capacity_blocks=100, incoming_blocks=2) == 2
+    index.reset_replica("a", 2, wiped=True)
+    index.store("a", k, Tier.GPU, 2)
+    assert index.surviving_blocks("a", k, capacity_blocks=100, incoming_blocks=2) == 4

@@ -5,11 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from cache_index.index import PrefixIndex
-from cache_index.ingest import ApplyStatus, EventIngestor
-from cache_index.keys import block_keys, namespace_key
-from cache_index.match import PrefixMatch
-from cache_index.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.ingest import ApplyStatus, EventIngestor
+from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.cache_index.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 4
 TOKENS = list(range(500, 516))  # four blocks
@@ -237,3 +237,108 @@ def test_block_size_is_learned_from_events(setup) -> None:
     _, ingestor = setup
     ingestor.apply("r", 0, chain())
     assert ingestor.block_size("r") == BS
+
+
+def test_a_malformed_payload_with_the_next_sequence_number_keeps_the_holdings(setup) -> None:
+    index, ingestor = setup
+    ingestor.apply("r", 0, chain())
+    result = ingestor.apply("r", 1, b"\xc1 not msgpack")
+    assert result.status is ApplyStatus.MALFORMED and result.generation == ingestor.generation("r")
+    assert held(index) == 16 and ingestor.stats.purges == 0
+    assert ingestor.apply("r", 2, frame()).status is ApplyStatus.APPLIED  # its number was taken: no gap
+    assert held(index) == 16
+
+
+def test_malformed_frames_are_logged_with_replica_and_reason_at_most_once_per_interval(
+    setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, ingestor = setup
+    with caplog.at_level("WARNING", logger="kvgate.cache_index.ingest"):
+        for seq in range(5):
+            ingestor.apply("r", seq, b"\xc1" + b"x" * 10_000)
+        ingestor.apply("r", 5, frame(stored([1, 2], None, TOKENS[:5])))  # 2 hashes, 5 token ids
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("kv-events r: malformed, ignored: frame 0: not msgpack")
+    assert len(lines[0]) < 400  # the sender's bytes are not echoed at length
+    assert ingestor.stats.dropped["malformed"] == 6
+
+
+def timed(ts: float, *events: object) -> bytes:
+    return msgspec.msgpack.encode(KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0))
+
+
+def test_a_restart_seen_only_in_the_process_start_time_drops_the_holdings(setup) -> None:
+    """The engine restarted and has published nothing yet (or its first frames were missed)."""
+    index, ingestor = setup
+    ingestor.apply("r", 0, timed(100.0, stored([1, 2, 3, 4], None, TOKENS)))
+    generation = ingestor.generation("r")
+    assert ingestor.engine_started("r", 150.0)
+    assert held(index) == 0 and ingestor.generation("r") == generation + 1 and ingestor.stats.restarts == 1
+    # the old engine's last frame, still in flight, is stale: its batch predates the new process
+    assert ingestor.apply("r", 1, timed(149.0, stored([9], 4, TOKENS[:4]))).status is ApplyStatus.STALE
+    assert ingestor.apply("r", 0, timed(152.0, stored([7, 8], None, TOKENS[:8]))).applied
+    assert held(index) == 8 and ingestor.stats.restarts == 1
+
+
+def test_a_restart_the_sequence_already_showed_is_not_counted_twice(setup) -> None:
+    index, ingestor = setup
+    ingestor.apply("r", 0, timed(100.0, stored([1, 2, 3, 4], None, TOKENS)))
+    ingestor.apply("r", 1, timed(101.0))
+    assert ingestor.apply("r", 0, timed(150.5, stored([7, 8], None, TOKENS[:8]))).status is ApplyStatus.RESTARTED
+    generation = ingestor.generation("r")
+    assert not ingestor.engine_started("r", 150.0)  # the new engine's own frames began this generation
+    assert held(index) == 8 and ingestor.generation("r") == generation and ingestor.stats.restarts == 1
+
+
+def test_frames_that_followed_a_health_reset_are_not_trusted_across_a_restart(setup) -> None:
+    """A generation that began with a frame less than the clock margin after the process start may hold the old
+    engine's frames (the scraped start time is up to a second early): it is dropped."""
+    index, ingestor = setup
+    ingestor.reset_replica("r", "recovered")
+    ingestor.apply("r", 5, timed(150.2, stored([1, 2, 3, 4], None, TOKENS)))
+    assert ingestor.engine_started("r", 150.0)
+    assert held(index) == 0
+    ingestor.reset_replica("r", "recovered")
+    ingestor.apply("r", 0, timed(160.0, stored([1, 2, 3, 4], None, TOKENS)))  # long after: the new engine's
+    assert not ingestor.engine_started("r", 150.0) and held(index) == 16
+
+
+def test_a_recovery_keeps_only_what_the_running_process_published(setup) -> None:
+    """Frames that arrived while the replica was down are kept on recovery only when the generation began after the
+    running engine's (freshly scraped) process start; with no start time, or an earlier first frame, they go."""
+    index, ingestor = setup
+    ingestor.reset_replica("r", "down")
+    ingestor.apply("r", 0, timed(160.0, stored([1, 2, 3, 4], None, TOKENS)))
+    assert not ingestor.engine_recovered("r", 150.0) and held(index) == 16
+    ingestor.reset_replica("r", "down")
+    ingestor.apply("r", 5, timed(160.3, stored([1, 2, 3, 4], None, TOKENS)))  # within the new start time's margin
+    assert ingestor.engine_recovered("r", 160.0) and held(index) == 0
+    ingestor.reset_replica("r", "down")
+    ingestor.apply("r", 9, timed(170.0, stored([1, 2, 3, 4], None, TOKENS)))
+    assert ingestor.engine_recovered("r", None) and held(index) == 0  # no start time: in doubt, forgotten
+    assert ingestor.stats.resets["recovered"] == 2
+
+
+def test_a_generation_begun_after_the_start_was_reported_is_that_process_own(setup) -> None:
+    """The restart was reported (a scrape) before the replica went down: from then on every frame older than the
+    start is stale, so what the engine published while the replica was down is kept on recovery, even a frame
+    within the clock margin (an engine that served a request as soon as it started)."""
+    index, ingestor = setup
+    ingestor.apply("r", 0, timed(100.0, stored([7, 8], None, TOKENS[:8])))
+    assert ingestor.engine_started("r", 150.0)
+    ingestor.reset_replica("r", "down")
+    assert ingestor.apply("r", 3, timed(149.9, stored([5, 6], None, TOKENS[:8]))).status is ApplyStatus.STALE
+    ingestor.apply("r", 0, timed(150.2, stored([1, 2, 3, 4], None, TOKENS)))
+    assert not ingestor.engine_recovered("r", 150.0) and held(index) == 16
+
+
+def test_a_restart_the_subscriber_found_in_a_replay_is_not_counted_again(setup) -> None:
+    """restart_after_replay / replay_mismatch: the stream showed the restart before the scrape did."""
+    index, ingestor = setup
+    ingestor.apply("r", 0, timed(100.0, stored([1, 2, 3, 4], None, TOKENS)))
+    ingestor.reset_replica("r", "restart_after_replay")
+    generation = ingestor.generation("r")
+    assert not ingestor.engine_started("r", 150.0)  # nothing applied since: the same restart
+    ingestor.apply("r", 0, timed(150.2, stored([7, 8], None, TOKENS[:8])))
+    assert not ingestor.engine_started("r", 150.0)
+    assert held(index) == 8 and ingestor.generation("r") == generation and ingestor.stats.restarts == 0

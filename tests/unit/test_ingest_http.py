@@ -8,11 +8,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from cache_index.http_ingest import HttpIngestError, ingest_http
-from cache_index.index import PrefixIndex
-from cache_index.ingest import ApplyStatus, EventIngestor
-from cache_index.keys import block_keys, namespace_key
-from cache_index.match import PrefixMatch
+from kvgate.cache_index.http_ingest import HttpIngestError, ingest_http
+from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.ingest import ApplyStatus, EventIngestor
+from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.match import PrefixMatch
 
 TOKENS = list(range(1000, 1032))
 

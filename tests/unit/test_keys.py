@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-from cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.keys import block_keys, namespace_key
 
 TOKENS = list(range(100, 164))
 

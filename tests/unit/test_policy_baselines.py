@@ -7,16 +7,20 @@ from collections import Counter
 
 import pytest
 
-from cache_index.match import PrefixMatch
-from policies.base import ReplicaView, RouteRequest
-from policies.config import KvgateConfig, PrefixAffinityConfig
-from policies.cost_model import CostModel
-from policies.least_loaded import LeastLoadedPolicy
-from policies.prefix_affinity import PrefixAffinityPolicy
-from policies.registry import POLICY_NAMES, create_policy
-from policies.round_robin import RoundRobinPolicy
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.policies.base import ReplicaView, RouteRequest
+from kvgate.policies.config import ModelConfig, PolicyConfig, PrefixAffinityConfig, TransferConfig
+from kvgate.policies.cost_model import CostModel
+from kvgate.policies.least_loaded import LeastLoadedPolicy
+from kvgate.policies.prefix_affinity import PrefixAffinityPolicy
+from kvgate.policies.registry import POLICY_NAMES, create_policy
+from kvgate.policies.round_robin import RoundRobinPolicy
 
 REQUEST = RouteRequest(request_id="r", model="m", prompt_tokens=1000, block_size=16)
+
+
+def default_cost_model() -> CostModel:
+    return CostModel.from_config(ModelConfig(name="m"), PolicyConfig(), TransferConfig())
 
 
 def replica(name: str, *, healthy: bool = True, gpu: int = 0, in_flight: int = 0, **kw: object) -> ReplicaView:
@@ -24,17 +28,17 @@ def replica(name: str, *, healthy: bool = True, gpu: int = 0, in_flight: int = 0
 
 
 def test_registry_builds_every_named_policy() -> None:
-    config = KvgateConfig()
+    config = PolicyConfig()
     for name in POLICY_NAMES:
-        policy = create_policy(name, config, CostModel.from_config(config), random.Random(0))
+        policy = create_policy(name, config, default_cost_model(), random.Random(0))
         assert policy.name == name
         assert policy.decide(REQUEST, [replica("a"), replica("b")]).replica in {"a", "b"}
 
 
 def test_registry_rejects_unknown_name() -> None:
-    config = KvgateConfig()
+    config = PolicyConfig()
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
-        create_policy("fastest", config, CostModel.from_config(config))
+        create_policy("fastest", config, default_cost_model())
 
 
 def test_round_robin_cycles_and_skips_unhealthy() -> None:
@@ -66,18 +70,18 @@ def test_least_loaded_uses_scraped_queue_and_breaks_ties_randomly() -> None:
     assert decision.ranked[-1] == "a" and "d" not in decision.ranked
 
 
-def test_prefix_affinity_follows_match_above_threshold() -> None:
+@pytest.mark.parametrize(
+    "a_gpu, b_gpu, expected",
+    [(400, 100, ("a", "affinity")), (300, 0, ("b", "least-loaded"))],
+    ids=["match-above-threshold-follows-it", "low-match-goes-least-loaded"],
+)
+def test_prefix_affinity_follows_a_match_only_above_its_threshold(
+    a_gpu: int, b_gpu: int, expected: tuple[str, str]
+) -> None:
     policy = PrefixAffinityPolicy(PrefixAffinityConfig(), random.Random(0))
-    fleet = [replica("a", gpu=400, in_flight=10), replica("b", gpu=100)]
+    fleet = [replica("a", gpu=a_gpu, in_flight=10), replica("b", gpu=b_gpu)]
     decision = policy.decide(REQUEST, fleet)
-    assert (decision.replica, decision.reason) == ("a", "affinity")
-
-
-def test_prefix_affinity_low_match_goes_least_loaded() -> None:
-    policy = PrefixAffinityPolicy(PrefixAffinityConfig(), random.Random(0))
-    fleet = [replica("a", gpu=300, in_flight=10), replica("b")]
-    decision = policy.decide(REQUEST, fleet)
-    assert (decision.replica, decision.reason) == ("b", "least-loaded")
+    assert (decision.replica, decision.reason) == expected
 
 
 def test_prefix_affinity_switches_to_least_loaded_when_imbalanced() -> None:
@@ -98,9 +102,9 @@ STABLE_REASONS = {"round-robin", "least-loaded", "affinity", "imbalanced", "warm
 def test_every_policy_on_random_fleets_keeps_the_contract() -> None:
     """Healthy replicas only (while any), ranked = every eligible replica once, chosen first, a known reason."""
     rng = random.Random(42)
-    config = KvgateConfig()
+    config = PolicyConfig()
     for name in POLICY_NAMES:
-        policy = create_policy(name, config, CostModel.from_config(config), random.Random(0))
+        policy = create_policy(name, config, default_cost_model(), random.Random(0))
         for _ in range(300):
             fleet = [
                 ReplicaView(

@@ -8,12 +8,12 @@ from collections import Counter
 
 import pytest
 
-from cache_index.match import PrefixMatch
-from policies.base import ReplicaView, RouteRequest
-from policies.config import CostPolicyConfig, PrefillCost, TransferConfig
-from policies.cost import CostPolicy
-from policies.cost_model import CostModel
-from policies.explain import explain_replicas
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.policies.base import ReplicaView, RouteRequest
+from kvgate.policies.config import CostPolicyConfig, PrefillCost, TransferConfig
+from kvgate.policies.cost import CostPolicy
+from kvgate.policies.cost_model import CostModel
+from kvgate.policies.explain import explain_replicas
 
 EXACT = CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0)
 
@@ -82,6 +82,31 @@ def test_recomputing_elsewhere_is_charged_the_delay_it_imposes_on_that_replicas_
     # An idle replica nobody sends to imposes on no one: the recompute wins again.
     quiet = [fleet[0], view("idle")]
     assert policy(EXACT).decide(request(prompt), quiet).replica == "idle"
+
+
+def test_a_copy_onto_an_idle_replica_is_priced_at_the_fleets_mean_rate() -> None:
+    # The holder of a 6,832-token document is still prefilling it (one request ahead): waiting there costs the
+    # whole prefill again plus this request's own 128 new tokens, about 24 ms more than recomputing on a replica
+    # nobody has sent anything yet. At that replica's own rate (zero) the copy looks free; but the copy makes it a
+    # holder, and it will take its share of the fleet's traffic (mean 2 requests/s here): its 264 ms recompute then
+    # holds up ~70 ms of arrivals, so the request waits for the holder.
+    doc, prompt = 6832, 6960
+    holder = view("holder", gpu=doc, queued=1, queued_tokens=prompt, arrival_rate_per_s=12.0)
+    idle = [view(f"idle{i}") for i in range(5)]
+    decision = policy(EXACT).decide(request(prompt), [holder, *idle], explain=True)
+    assert (decision.replica, decision.reason) == ("holder", "warm")
+    rows = decision.details["replicas"]
+    assert rows["idle0"]["arrival_rate_per_s"] == 0
+    assert rows["idle0"]["expected_arrival_rate_per_s"] == pytest.approx(2.0)
+    assert rows["holder"]["expected_arrival_rate_per_s"] == pytest.approx(12.0)
+
+
+def test_cold_prompts_are_not_priced_at_the_fleets_mean_rate() -> None:
+    # Nobody holds the prompt: no replica would make a copy, each is priced at its own rate.
+    fleet = [view("busy", arrival_rate_per_s=12.0), view("quiet")]
+    rows = policy(EXACT).decide(request(4000), fleet, explain=True).details["replicas"]
+    assert rows["quiet"]["expected_arrival_rate_per_s"] == 0
+    assert rows["quiet"]["interference_ms"] == 0
 
 
 def test_cold_prompts_go_where_they_hold_up_the_fewest_arrivals() -> None:

@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-from cache_index.match import PrefixMatch
-from policies.base import Decision, ReplicaView, RouteRequest
-from policies.config import CostPolicyConfig, PrefillCost, TransferConfig
-from policies.cost import CostPolicy
-from policies.cost_model import GIB, CostModel
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.policies.base import Decision, ReplicaView, RouteRequest
+from kvgate.policies.config import CostPolicyConfig, PrefillCost, TransferConfig
+from kvgate.policies.cost import CostPolicy
+from kvgate.policies.cost_model import GIB, CostModel
 
 KV_BYTES = 320 * 1024
 NIXL = TransferConfig(connector="nixl")  # 12 ms setup, 22 GiB/s, min 1024 tokens
-RECOMPUTE = PrefillCost(fixed_ms=20, per_token_ms=0.06)  # DESIGN.md: whole-GPU recompute 0.06 ms/token
+RECOMPUTE = PrefillCost(fixed_ms=20, per_token_ms=0.06)  # whole-GPU recompute 0.06 ms/token
 
 
 def decide(

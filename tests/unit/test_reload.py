@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from policies.config import ConfigError, KvgateConfig
-from router.reload import ConfigHolder
+from kvgate.router.config import ConfigError, KvgateConfig
+from kvgate.router.ops.reload import ConfigHolder
+from tests.support import wait_until_async
 
 GOOD = "replicas: [{name: a, url: 'http://127.0.0.1:9'}]\nhealth: {interval_s: 2}\n"
 GOOD2 = "replicas: [{name: b, url: 'http://127.0.0.1:9'}]\nhealth: {interval_s: 3}\n"
@@ -22,14 +21,6 @@ def write(path: Path, text: str) -> None:
     # Make sure the watcher's (mtime, size) check sees a change even on coarse-grained filesystems.
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 def test_bad_file_at_startup_raises(tmp_path: Path) -> None:
@@ -112,14 +103,24 @@ async def test_watcher_reloads_on_change_and_does_not_retry_a_bad_file(tmp_path:
     p = tmp_path / "kvgate.yaml"
     p.write_text(GOOD)
     holder = ConfigHolder(p, poll_interval_s=0.02)
+    polls = 0
+    looked = holder.file_changed
+
+    def counted() -> bool:
+        nonlocal polls
+        polls += 1
+        return looked()
+
+    holder.file_changed = counted  # type: ignore[method-assign]
     await holder.start()
     try:
         write(p, GOOD2)
-        await wait_for(lambda: holder.reloads_ok == 1)
+        await wait_until_async(lambda: holder.reloads_ok == 1)
         assert holder.current.replicas[0].name == "b"
         write(p, "health: {interval_s: -5}\n")
-        await wait_for(lambda: holder.reloads_rejected == 1)
-        await asyncio.sleep(0.1)
+        await wait_until_async(lambda: holder.reloads_rejected == 1)
+        seen = polls
+        await wait_until_async(lambda: polls >= seen + 3)
         assert holder.reloads_rejected == 1  # the same bad bytes are not retried every poll
         assert holder.current.replicas[0].name == "b"
     finally:
@@ -134,7 +135,7 @@ async def test_sighup_reloads(tmp_path: Path) -> None:
     try:
         p.write_text(GOOD2)
         os.kill(os.getpid(), signal.SIGHUP)
-        await wait_for(lambda: holder.reloads_ok == 1)
+        await wait_until_async(lambda: holder.reloads_ok == 1)
         assert holder.current.replicas[0].name == "b"
     finally:
         await holder.stop()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cache_index.match import PrefixMatch
-from policies.base import ReplicaView
-from policies.config import PrefillCost, ReplicationConfig, TransferConfig
-from policies.cost_model import CostModel
-from policies.replication import HotPrefixTracker
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.policies.base import ReplicaView
+from kvgate.policies.config import PrefillCost, ReplicationConfig, TransferConfig
+from kvgate.policies.cost_model import CostModel
+from kvgate.policies.replication import HotPrefixTracker
 
 MODEL = CostModel(PrefillCost(), {"cpu": 0.015}, TransferConfig(), 320 * 1024)
 PREFIX = 8000  # saves 0.035 x 8000 = 280 ms per request; 0.72 requests/s make it hot at 200 ms/s
@@ -53,9 +53,17 @@ def test_hot_prefix_with_busy_holder_warms_the_idlest_non_holder() -> None:
     assert tracker.counts[("started", "hot-prefix")] == 1
 
 
-def test_cold_prefix_is_not_replicated() -> None:
-    tracker = HotPrefixTracker(ReplicationConfig())
-    now = feed(tracker, "p", rate=0.5, seconds=60, holders={"a"})  # 140 ms/s < 200
+@pytest.mark.parametrize(
+    "config, rate, seconds",
+    [
+        (ReplicationConfig(), 0.5, 60),  # a cold prefix: 140 ms/s < 200
+        (ReplicationConfig(min_prefix_tokens=10_000), 5, 20),  # a hot prefix, but shorter than worth warming
+    ],
+    ids=["cold", "short"],
+)
+def test_a_prefix_not_worth_warming_is_not_replicated(config: ReplicationConfig, rate: float, seconds: int) -> None:
+    tracker = HotPrefixTracker(config)
+    now = feed(tracker, "p", rate=rate, seconds=seconds, holders={"a"})
     assert tracker.plan(BUSY_HOLDER, MODEL, now) == []
 
 
@@ -147,13 +155,8 @@ def test_retires_warmed_replicas_when_the_prefix_cools() -> None:
 def test_disabled_replication_plans_nothing() -> None:
     tracker = HotPrefixTracker(ReplicationConfig(enabled=False))
     now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
-    assert tracker.plan(BUSY_HOLDER, MODEL, now) == [] and len(tracker) == 0
-
-
-def test_short_prefix_is_not_replicated() -> None:
-    tracker = HotPrefixTracker(ReplicationConfig(min_prefix_tokens=10_000))
-    now = feed(tracker, "p", rate=5, seconds=20, holders={"a"})
     assert tracker.plan(BUSY_HOLDER, MODEL, now) == []
+    assert len(tracker) == 1  # still tracked: the rates price what evictions cost (cache_margins)
 
 
 def test_warmed_replica_evicted_while_hot_can_be_warmed_again() -> None:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.report import (
+from kvgate.loadgen.report import (
     compare, inflight_timeline, load_imbalance, percentile, schedule_warning, summarize, write_results,
 )
-from loadgen.runner import RequestRecord
+from kvgate.loadgen.runner import RequestRecord
+from kvgate.loadgen.workloads.oracle import IdealPrefill
 
 
 def record(i: int, replica: str, start: float, ttft: float, end: float, prompt: int = 100, cached: int = 0,
@@ -54,6 +55,42 @@ def test_summary_numbers() -> None:
     assert s["output_tok_s"] == pytest.approx(15.0)
     assert s["requests_per_replica"] == {"r0": 2, "r1": 1, "r2": 0}
     assert s["send_lag_mean_ms"] == 0.0 and schedule_warning(s) is None
+
+
+def test_inter_token_latency_client_and_engine_clock_mean_and_p99() -> None:
+    smooth = record(0, "r0", 0.0, 0.1, 1.0, itl=[0.010] * 99)
+    smooth.engine_itl_ms = [6.0] * 99
+    stalled = record(1, "r1", 0.0, 0.1, 1.0, itl=[0.010] * 98 + [0.300])
+    stalled.engine_itl_ms = [6.0] * 97 + [290.0, 290.0]
+    failed = record(2, "r1", 0.0, 0.1, 1.0, itl=[5.0], status=503)
+    failed.engine_itl_ms = [900.0]
+    s = summarize([smooth, stalled, failed])
+    client = [10.0] * 197 + [300.0]
+    engine = [6.0] * 196 + [290.0, 290.0]
+    assert s["itl_mean_ms"] == pytest.approx(sum(client) / len(client))
+    assert s["itl_p99_ms"] == pytest.approx(percentile(client, 99))
+    assert s["engine_itl_mean_ms"] == pytest.approx(sum(engine) / len(engine))
+    assert s["engine_itl_p99_ms"] == pytest.approx(percentile(engine, 99)) and s["engine_itl_p99_ms"] > 6.0
+    assert s["engine_itl_p999_ms"] == pytest.approx(percentile(engine, 99.9))
+    assert s["output_tok_s"] == pytest.approx(20.0)  # failed requests' tokens do not count
+    assert math.isnan(summarize([record(3, "r0", 0.0, 0.1, 1.0)])["engine_itl_p99_ms"])
+
+
+def test_oracle_ttft_prices_only_what_an_infinite_shared_cache_lacks() -> None:
+    ideal = IdealPrefill(step_overhead_ms=6.0, prefill_ms_per_token=0.035, request_overhead_ms=20.0, token_budget=8192)
+    assert ideal.ttft_ms(10_000, 0) == pytest.approx(2 * 6.0 + 0.035 * 10_000 + 20.0)  # two chunks of prefill
+    assert ideal.ttft_ms(10_000, 9_984) == pytest.approx(6.0 + 0.035 * 16 + 20.0)
+    assert ideal.ttft_ms(32, 32) == pytest.approx(6.0 + 0.035 * 16 + 20.0)  # the last token is always computed
+    records = [
+        record(0, "r0", 0.0, 0.5, 1.0, prompt=10_000, oracle=0),
+        record(1, "r0", 0.0, 0.1, 1.0, prompt=10_000, oracle=9_984),
+    ]
+    records[0].engine_ttft_ms, records[1].engine_ttft_ms = 400.0, 100.0
+    s = summarize(records, ideal=ideal)
+    floor = (ideal.ttft_ms(10_000, 0) + ideal.ttft_ms(10_000, 9_984)) / 2
+    assert s["oracle_ttft_mean_ms"] == pytest.approx(floor)
+    assert s["engine_ttft_vs_oracle"] == pytest.approx(250.0 / floor)
+    assert s["ttft_vs_oracle"] == pytest.approx(300.0 / floor)
 
 
 def test_late_sends_are_flagged() -> None:

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from loadgen.plots import write_plots
-from loadgen.report import summarize
+from kvgate.loadgen.plots import write_plots
+from kvgate.loadgen.report import summarize
 from tests.unit.test_report import record
-
-pytest.importorskip("matplotlib")
 
 
 def test_plots_for_kvgate_and_a_peer(tmp_path: Path) -> None:

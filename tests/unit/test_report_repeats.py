@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from loadgen.bench import rotated
-from loadgen.report import (
+from kvgate.loadgen.bench import rotated
+from kvgate.loadgen.report import (
     Repeat, RepeatedComparison, median_summaries, metric_ranges, paired_wins, print_table, summarize,
     write_repeated_results,
 )

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.bench import apply_settings
-from loadgen.report import markdown_report
-from loadgen.runstats import CLOCK_TICKS, group_cpu_seconds, parse_gateway_counters
-from policies.config import ConfigError, load_config
+from kvgate.loadgen.bench import SettingsError, apply_settings
+from kvgate.loadgen.report import markdown_report
+from kvgate.loadgen.runstats import CLOCK_TICKS, group_cpu_seconds, parse_gateway_counters
+from kvgate.router.config import ConfigError, load_config
 
 METRICS_PAGE = """\
 # HELP kvgate_decisions_total Routing decisions by action and reason.
@@ -80,7 +80,8 @@ def test_settings_override_the_fleet_policy_file(tmp_path: Path) -> None:
     loaded = load_config(config)
     assert loaded.replication.enabled is False and loaded.replication.min_saving_ms_per_s == 500
     assert [r.name for r in loaded.replicas] == ["r0"]
-    with pytest.raises(ConfigError):
+    with pytest.raises(SettingsError):
         apply_settings(config, ["replication.enabled"])
-    with pytest.raises(ConfigError):
-        apply_settings(config, ["replication.no_such_field=1"])
+    apply_settings(config, ["replication.no_such_field=1"])  # written as asked; kvgate serve is the one to refuse it
+    with pytest.raises(ConfigError, match="no_such_field"):
+        load_config(config)

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from router.scrape import METRICS_PATH, NO_COMPRESSION, parse_metrics, scrape_metrics
+from kvgate.router.upstream.scrape import METRICS_PATH, NO_COMPRESSION, parse_metrics, scrape_metrics
 
 # Shaped after vLLM 0.33's /metrics with two data-parallel engines (trimmed histograms; same syntax as the real page).
 VLLM_DP2 = """\
@@ -156,3 +156,14 @@ async def test_scrape_against_prometheus_exposition_with_a_passthrough_session(p
 async def test_scrape_of_a_dead_engine_is_none() -> None:
     async with aiohttp.ClientSession() as session:
         assert await scrape_metrics(session, "http://127.0.0.1:9", 0.5, clock=lambda: 0.0) is None
+
+
+def test_the_process_start_time_is_read_when_exported() -> None:
+    page = VLLM_DP2 + (
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"
+        "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.79e+09\n"
+        "# HELP process_start_time_seconds_total Not the one.\n# TYPE process_start_time_seconds_total counter\n"
+        "process_start_time_seconds_total 5.0\n"
+    )
+    assert parse_metrics(page, at=0.0).started_at == 1.79e9
+    assert parse_metrics(VLLM_DP2, at=0.0).started_at is None  # engines that do not export it

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.sim.block_hash import NONE_HASH, block_chain, event_hash, sha256_pickle
+from kvgate.loadgen.sim.block_hash import NONE_HASH, block_chain, event_hash, sha256_pickle
 
 
 def sha256_cases(vectors_dir: Path) -> list[dict]:

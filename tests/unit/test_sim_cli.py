@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from loadgen.sim.cli import add_arguments, params_from_args, run
-from loadgen.sim.params import SimParams
+from kvgate.loadgen.sim.cli import add_arguments, params_from_args, run
+from kvgate.loadgen.sim.params import SimParams
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -39,3 +39,26 @@ def test_overrides() -> None:
 def test_bad_values_are_refused(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     assert run(parse(*argv)) == 2
     assert "kvgate sim:" in capsys.readouterr().err
+
+
+def test_block_size_must_be_a_multiple_the_backend_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM's CPU attention backend refuses --block-size 16 at startup: "No common block size for 16
+    # (CPU_ATTN: [MultipleOf(32)])"; the sim can be told to behave the same.
+    assert run(parse("--block-size", "16", "--block-size-multiple-of", "32")) == 2
+    assert "No common block size for 16" in capsys.readouterr().err
+    assert params_from_args(parse("--block-size", "64", "--block-size-multiple-of", "32")).block_size == 64
+    assert params_from_args(parse("--block-size-multiple-of", "32")).block_size == 32
+    assert params_from_args(parse()).block_size == 16
+
+
+def test_roles_set_the_replica_count_and_must_agree_with_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvgate.loadgen.sim.cli import replica_count
+
+    args = parse("--roles", "prefill:2,decode:6")
+    assert args.roles == ["prefill"] * 2 + ["decode"] * 6 and replica_count(args) == 8
+    assert replica_count(parse()) == 4
+    assert run(parse("--replicas", "4", "--roles", "prefill:1,decode:2")) == 2
+    assert "--roles adds up to 3 replicas" in capsys.readouterr().err
+    for bad in ("prefill", "prefill:0", "router:2", "prefill:2,decode:x"):
+        with pytest.raises(SystemExit):
+            parse("--roles", bad)

@@ -3,9 +3,9 @@ vLLM events each of those emits."""
 
 from __future__ import annotations
 
-from cache_index.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
-from loadgen.sim.block_hash import block_chain
-from loadgen.sim.kv_cache import Allocation, BlockPool
+from kvgate.loadgen.sim.block_hash import block_chain
+from kvgate.loadgen.sim.kv_cache import Allocation, BlockPool
+from kvgate.loadgen.sim.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def fill(pool: BlockPool, tokens: list[int], salt: str | None = None) -> Allocation:

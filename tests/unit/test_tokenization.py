@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from loadgen.assets import TOKENIZER_DIR
-from router.tokenization import BYTE_LEVEL_SPLIT_PATTERNS, ModelTokenizer, PromptSplitter
+from kvgate.loadgen.assets import TOKENIZER_DIR
+from kvgate.router.prompts.model_tokenizer import BYTE_LEVEL_SPLIT_PATTERNS, ModelTokenizer, PromptSplitter
 
 SPEC = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())
 ATOMS = [" ", "\n", "\n\n", " \n", "word", " the", "'s", "42", ".", ";\n", ")\n", "x\n", "9\n", "é", "中文", "😀",

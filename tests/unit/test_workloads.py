@@ -8,18 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.assets import TOKENIZER_DIR
-from loadgen.trace import TRACE_BLOCK_TOKENS, TraceError, read_trace, timestamp_tick_ms
-from loadgen.workloads import WorkloadOptions, build_workload
-from loadgen.workloads.oracle import PrefixOracle
-from loadgen.workloads.vocabulary import vocabulary_for
-from router.tokenization import ModelTokenizer
+from kvgate.loadgen.assets import TOKENIZER_DIR
+from kvgate.loadgen.trace import TRACE_BLOCK_TOKENS, TraceError, read_trace, timestamp_tick_ms
+from kvgate.loadgen.workloads import WorkloadOptions, build_workload, working_set_tokens
+from kvgate.loadgen.workloads.oracle import PrefixOracle
+from kvgate.loadgen.workloads.vocabulary import vocabulary_for
+from kvgate.router.prompts.model_tokenizer import ModelTokenizer
 
 SMALL = dict(
     groups=3, prompts_per_group=4, system_tokens=64, question_tokens=16, sessions=3, turns=3, turn_tokens=20,
     think_s=0.5, documents=4, document_tokens=(100, 300), prompt_tokens=50, output_tokens=8, requests=12,
+    context_tokens=400, long_tokens=(300, 600), long_output_tokens=(40, 80), chat_tokens=(10, 30),
+    chat_output_tokens=(2, 8),
 )
-SYNTHETIC = ["shared-prefix", "multi-turn", "documents", "unique"]
+SYNTHETIC = ["shared-prefix", "multi-turn", "documents", "agentic", "unique", "pd-mix"]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,38 @@ def test_multi_turn_history_grows_and_turns_chain() -> None:
             assert cur.prompt_tokens > prev.prompt_tokens and cur.oracle_hit_tokens > 0
 
 
+def test_agentic_sessions_grow_on_one_shared_prefix_and_branch_sub_agents() -> None:
+    reqs = build_workload("agentic", _opts(requests=None, sessions=6, turns=8, subagent_prob=0.5))
+    by_id = {r.index: r for r in reqs}
+    system = reqs[0].body["messages"][0]
+    assert all(r.body["messages"][0] == system for r in reqs)  # one tool/system prefix for every request
+    assert all(r.oracle_hit_tokens >= SMALL["system_tokens"] for r in reqs[1:])
+    sessions = {r.session_id for r in reqs}
+    mains = {s for s in sessions if "-sub" not in s}
+    assert len(mains) == 6 and len(sessions) > 6  # sub-agents branched off
+    for r in reqs:
+        if r.after is None:
+            continue
+        prev = by_id[r.after]
+        if r.session_id == prev.session_id:  # a later turn: the whole history so far, grown
+            assert r.body["messages"][: len(prev.body["messages"])] == prev.body["messages"]
+            assert r.prompt_tokens > prev.prompt_tokens
+        else:  # a sub-agent's first request: after its parent's turn, on the shared prefix only
+            assert r.session_id.startswith(prev.session_id + "-sub") and len(r.body["messages"]) == 2
+    last_turns = [max((r for r in reqs if r.session_id == s), key=lambda r: r.index) for s in mains]
+    assert max(r.prompt_tokens for r in last_turns) > SMALL["context_tokens"]  # sessions grow toward the target
+
+
+def test_working_set_is_the_distinct_prompt_tokens() -> None:
+    reqs = build_workload("documents", _opts(documents=1, requests=3, document_tokens=(160, 160)))
+    assert working_set_tokens(reqs) == 160 + 3 * SMALL["question_tokens"]
+
+
+def test_documents_size_is_set_by_requests() -> None:
+    assert len(build_workload("documents", _opts(requests=None))) == 200
+    assert len(build_workload("documents", _opts(requests=450))) == 450
+
+
 def test_unique_has_no_oracle_hits() -> None:
     assert all(r.oracle_hit_tokens == 0 for r in build_workload("unique", _opts()))
 
@@ -111,6 +145,24 @@ def test_unique_has_no_oracle_hits() -> None:
 def test_unique_size_is_set_by_requests() -> None:
     assert len(build_workload("unique", _opts(requests=None))) == 200
     assert len(build_workload("unique", _opts(requests=450, prompt_tokens=32))) == 450
+
+
+def test_pd_mix_mixes_long_requests_with_long_outputs_and_short_chat() -> None:
+    reqs = build_workload("pd-mix", _opts(requests=400, long_fraction=0.25))
+    long = [r for r in reqs if r.endpoint == "completions"]
+    chat = [r for r in reqs if r.endpoint == "chat"]
+    assert len(reqs) == 400 and 70 <= len(long) <= 130
+    assert all(300 <= r.prompt_tokens <= 601 and 40 <= r.output_tokens <= 80 for r in long)  # + BOS
+    assert all(r.prompt_tokens < 300 and 2 <= r.output_tokens <= 8 for r in chat)
+    assert len({r.body["messages"][0]["content"] for r in chat}) == 4  # four shared system prompts
+    assert all(r.oracle_hit_tokens == 0 for r in long)
+    assert len(build_workload("pd-mix", _opts(requests=None))) == 200
+
+
+def test_pd_mix_arrivals_follow_speed() -> None:
+    normal, doubled = (build_workload("pd-mix", _opts(speed=s)) for s in (1.0, 2.0))
+    assert [r.arrival_s / 2 for r in normal] == pytest.approx([r.arrival_s for r in doubled])
+    assert [r.body for r in normal] == [r.body for r in doubled]
 
 
 def test_rate_zero_sends_all_at_once() -> None:

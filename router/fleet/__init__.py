@@ -1,0 +1,1 @@
+"""Fleet state: the replicas, their load and health, block sizes, and discovery."""

@@ -1,0 +1,461 @@
+"""The live replica set: who is up, who is draining, and how busy each replica is right now.
+
+Everything here runs on the gateway's one asyncio loop, so state is plain attributes with no locks. Each replica has
+two background tasks: an active health probe (``/health`` plus a ``/v1/models`` refresh) and a ``/metrics`` scrape.
+Load the router causes itself is counted exactly and synchronously: :meth:`Fleet.dispatch` adds a request and its
+uncached prompt tokens, the returned :class:`LoadTicket` removes the prompt tokens at the first token and the request
+at the end. Scraped engine numbers add what the router cannot see (requests that bypassed it) and are ignored once
+older than ``scrape.stale_after_ms``.
+
+Listeners hear about replicas appearing, disappearing and being reset; a reset means the replica's cached state is in
+doubt (it was down and came back), so the prefix index forgets what it knew about it. An engine whose scraped process
+start time moved restarted, whether or not its health checks noticed: listeners hear that too (``on_restarted``). Draining is not a reset: the
+engine keeps its cache and still publishes its events, and the cost policy may pull that cache from it by transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+import aiohttp
+
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.policies.base import ReplicaView
+from kvgate.policies.rate import DecayedRate
+from kvgate.router.config import KvgateConfig
+from kvgate.router.fleet.config import ReplicaConfig
+from kvgate.router.upstream.breaker import CircuitBreaker
+from kvgate.router.upstream.health import HealthState, fetch_models, probe_health
+from kvgate.router.upstream.scrape import ScrapedLoad, scrape_metrics
+
+log = logging.getLogger(__name__)
+
+RECOVERY_SCRAPES = 5
+"""Health probes a recovering replica waits for its /metrics to answer with the engine's process start time; after
+that it recovers without one, and the index forgets what it learned while the replica was down."""
+SCRAPE_TIMEOUT_CAP_S = 1.0
+"""A /metrics answer slower than this is useless for 100 ms load tracking."""
+ARRIVAL_RATE_HALF_LIFE_S = 10.0
+"""Memory of each replica's arrival rate: long enough to average a few dozen requests at a few per second, short
+enough to follow traffic that moved within a minute."""
+
+
+class Replica:
+    """One engine replica and everything the router knows about it."""
+
+    def __init__(self, config: ReplicaConfig, breaker: CircuitBreaker) -> None:
+        self.config = config
+        self.breaker = breaker
+        self.healthy = False
+        self.draining = False
+        self.in_flight = 0
+        self.in_flight_prefill_tokens = 0
+        self.in_flight_prefilling = 0
+        self.arrivals = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
+        """Requests the router dispatched here lately (every attempt, warm-ups and transfer legs included)."""
+        self.engine_finishes = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
+        """Requests the engine finished lately, whoever sent them (its scraped counter, differenced)."""
+        self.scraped: ScrapedLoad | None = None
+        self.engine_started_at: float | None = None
+        """The engine process's start time as last scraped (None if it does not export one)."""
+        self.recovery_scrapes = 0
+        """Health probes pass again after an outage, and this many recovery scrapes found no /metrics answer: the
+        replica takes requests once one answers (or after ``RECOVERY_SCRAPES`` tries)."""
+        self.served_models: list[dict[str, Any]] = []
+        self.generation = 0
+        self.health = HealthState()
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def routable(self) -> bool:
+        return self.healthy and not self.draining and self.breaker.allow()
+
+    def arrival_rate_per_s(self, now: float) -> float:
+        """Requests per second arriving here: this router's own dispatches, or the engine's finish rate when that is
+        higher (other gateway replicas and direct callers send it work too; in a steady state finishes match
+        arrivals)."""
+        return max(self.arrivals.per_s(now), self.engine_finishes.per_s(now))
+
+    def record_scrape(self, load: ScrapedLoad) -> bool:
+        """Keep the newest scrape; count the requests the engine finished since the previous one. A counter that went
+        down means the engine restarted: that interval counts nothing. True when the engine's process start time
+        moved since the last scrape that had one (the engine restarted)."""
+        previous = self.scraped
+        self.scraped = load
+        if previous is not None and previous.finished is not None and load.finished is not None:
+            finished = load.finished - previous.finished
+            if finished > 0:
+                self.engine_finishes.add(load.at, finished)
+        if load.started_at is None:
+            return False
+        restarted = self.engine_started_at is not None and load.started_at != self.engine_started_at
+        self.engine_started_at = load.started_at
+        return restarted
+
+    def can_source(self) -> bool:
+        """Can serve a transfer's prefill-only first leg: the engine passes health checks and real requests are not
+        failing (breaker closed). Draining does not matter: no new requests, but its cache is still there."""
+        return self.healthy and self.breaker.state == "closed"
+
+    def __repr__(self) -> str:
+        return f"Replica({self.name!r}, healthy={self.healthy}, draining={self.draining}, in_flight={self.in_flight})"
+
+
+class LoadTicket:
+    """The load one dispatched request puts on its replica, released exactly once."""
+
+    __slots__ = ("replica", "_prefill_tokens", "_prefilling", "_finished")
+
+    def __init__(self, replica: Replica, prefill_tokens: int) -> None:
+        self.replica = replica
+        self._prefill_tokens = prefill_tokens
+        self._prefilling = True
+        self._finished = False
+        replica.in_flight += 1
+        replica.in_flight_prefill_tokens += prefill_tokens
+        replica.in_flight_prefilling += 1
+        replica.breaker.on_dispatch()
+
+    def first_token(self) -> None:
+        """The prefill is done: the request and its tokens no longer wait on the replica. Idempotent."""
+        if not self._prefilling:
+            return
+        self._prefilling = False
+        self.replica.in_flight_prefill_tokens -= self._prefill_tokens
+        self.replica.in_flight_prefilling -= 1
+        self._prefill_tokens = 0
+
+    def finish(self, ok: bool) -> None:
+        """The request is over. ``ok=False`` only for replica faults (connect error, timeout, 5xx): it counts toward
+        opening the breaker. Idempotent: only the first call counts."""
+        if self._finished:
+            return
+        self._finished = True
+        self.first_token()
+        self.replica.in_flight -= 1
+        if ok:
+            self.replica.breaker.record_success()
+        else:
+            self.replica.breaker.record_failure()
+
+
+class FleetListener:
+    """Override what you need; the prefix index subscribes to replicas through these."""
+
+    def on_added(self, replica: Replica) -> None:
+        """A replica joined (from the config file, a reload or the admin API)."""
+
+    def on_removed(self, name: str) -> None:
+        """A replica left the fleet."""
+
+    def on_reset(self, name: str, reason: str) -> None:
+        """The replica's cached state is in doubt (``down``, drained): forget it."""
+
+    def on_recovered(self, name: str, started_at: float | None) -> None:
+        """The replica passes health checks again; ``started_at`` is its engine's process start time scraped at that
+        moment (None when the engine does not export it): keep only state its current process provably published."""
+
+    def on_restarted(self, name: str, started_at: float) -> None:
+        """The replica's engine process restarted at ``started_at`` (seconds since the epoch, the engine's clock):
+        it holds nothing it held before then."""
+
+
+class Fleet:
+    def __init__(
+        self, config: KvgateConfig, session: aiohttp.ClientSession, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.session = session
+        self.clock = clock
+        self.replicas: dict[str, Replica] = {}
+        self.listeners: list[FleetListener] = []
+        self.peer_prefill: Callable[[str], tuple[int, int]] | None = None
+        """Prefill work other gateways dispatched to a replica (tokens, requests), added to this gateway's own in
+        its views (``peers.hints``)."""
+        self._from_config: set[str] = set()
+        """Replicas the policy file owns; admin-added ones survive reloads that do not mention them."""
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._started = False
+        for cfg in config.replicas:
+            self._insert(cfg)
+            self._from_config.add(cfg.name)
+
+    # lifecycle
+
+    async def start(self) -> None:
+        """Announce the file's replicas to the listeners registered so far (``on_added``), probe each once (health,
+        models, metrics) so the first request sees real state, then loop. Listeners added after ``start()`` read
+        ``replicas`` for what already exists."""
+        self._started = True
+        initial = list(self.replicas.values())
+        for replica in initial:
+            self._notify("on_added", replica)
+        await asyncio.gather(*(self._first_look(r) for r in initial))
+        for replica in initial:
+            if self.replicas.get(replica.name) is replica:
+                self._spawn_loops(replica)
+
+    async def stop(self) -> None:
+        self._started = False
+        for name in list(self._tasks):
+            self._cancel_loops(name)
+        await self._await_cancelled()
+
+    # reading
+
+    def prefill_work(self) -> dict[str, tuple[int, int]]:
+        """This gateway's dispatched prefill per busy replica: (uncached prompt tokens, requests prefilling)."""
+        return {r.name: (r.in_flight_prefill_tokens, r.in_flight_prefilling)
+                for r in self.replicas.values() if r.in_flight_prefilling}
+
+    def view(self, name: str, match: PrefixMatch, *, session_match: bool = False) -> ReplicaView:
+        r = self.replicas[name]
+        now = self.clock()
+        scraped = self.fresh_scrape(r, now)
+        prefill_tokens, prefilling = r.in_flight_prefill_tokens, r.in_flight_prefilling
+        if self.peer_prefill is not None:
+            peer_tokens, peer_prefilling = self.peer_prefill(name)
+            prefill_tokens += peer_tokens
+            prefilling += peer_prefilling
+        return ReplicaView(
+            name=r.name,
+            healthy=r.routable(),
+            match=match,
+            can_source=r.can_source(),
+            draining=r.draining,
+            in_flight=r.in_flight,
+            in_flight_prefill_tokens=prefill_tokens,
+            in_flight_prefilling=prefilling,
+            arrival_rate_per_s=r.arrival_rate_per_s(now),
+            scraped_waiting=None if scraped is None else scraped.waiting,
+            scraped_running=None if scraped is None else scraped.running,
+            kv_usage=None if scraped is None else scraped.kv_usage,
+            generation=r.generation,
+            labels=r.config.labels,
+            role=r.config.role,
+            engine=r.config.engine,
+            last_session_match=session_match,
+        )
+
+    def fresh_scrape(self, replica: Replica, now: float | None = None) -> ScrapedLoad | None:
+        """The replica's scraped numbers, or None when there are none younger than ``scrape.stale_after_ms``."""
+        s = replica.scraped
+        if s is None or ((self.clock() if now is None else now) - s.at) * 1000.0 > self.config.scrape.stale_after_ms:
+            return None
+        return s
+
+    def routable(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.routable()]
+
+    def models(self) -> list[dict[str, Any]]:
+        """Union of the healthy replicas' ``/v1/models`` entries, first seen wins per id."""
+        seen: dict[str, dict[str, Any]] = {}
+        for r in self.replicas.values():
+            if r.healthy:
+                for m in r.served_models:
+                    seen.setdefault(m["id"], m)
+        return list(seen.values())
+
+    def base_model_of(self, model: str) -> tuple[str, str | None]:
+        """(base model, LoRA name or None). vLLM lists a LoRA adapter as its own model whose ``parent`` is the base."""
+        for r in self.replicas.values():
+            for m in r.served_models:
+                if m["id"] == model:
+                    parent = m.get("parent")
+                    if isinstance(parent, str) and parent and parent != model:
+                        return parent, model
+                    return model, None
+        return model, None
+
+    # load accounting and passive health
+
+    def dispatch(self, name: str, prefill_tokens: int) -> LoadTicket:
+        replica = self.replicas[name]
+        replica.arrivals.add(self.clock())
+        return LoadTicket(replica, max(0, prefill_tokens))
+
+    def record_failure(self, name: str) -> None:
+        r = self.replicas.get(name)
+        if r is not None:
+            r.breaker.record_failure()
+
+    def record_success(self, name: str) -> None:
+        r = self.replicas.get(name)
+        if r is not None:
+            r.breaker.record_success()
+
+    # membership
+
+    def add(self, cfg: ReplicaConfig) -> Replica:
+        """Add a replica at runtime; it takes traffic once its first health probe passes. ``ValueError`` if the name
+        is taken."""
+        if cfg.name in self.replicas:
+            raise ValueError(f"replica {cfg.name!r} already exists")
+        replica = self._insert(cfg)
+        if self._started:
+            self._spawn_loops(replica, first_look=True)
+        return replica
+
+    def drain(self, name: str) -> None:
+        """No new requests go to the replica; in-flight ones finish. ``KeyError`` if unknown. What it caches stays
+        in the prefix index (its engine still publishes events), so transfers can pull it elsewhere."""
+        self.replicas[name].draining = True
+
+    def undrain(self, name: str) -> None:
+        """New requests may go to the replica again. ``KeyError`` if unknown."""
+        self.replicas[name].draining = False
+
+    async def remove(self, name: str) -> None:
+        """Take the replica out now (``KeyError`` if unknown). In-flight requests keep their own connection and
+        finish; only the background probes stop."""
+        self._detach(name)
+        await self._await_cancelled()
+
+    def apply_config(self, config: KvgateConfig) -> None:
+        """A reloaded policy file: add, remove and update the replicas it owns; intervals and breaker thresholds take
+        effect at each loop's next step. A replica whose endpoints changed is replaced (its cached state is another
+        engine's). The file is the source of truth for its replicas: one removed through the admin API but still
+        listed comes back."""
+        old = {name: self.replicas[name].config for name in self._from_config if name in self.replicas}
+        new = {cfg.name: cfg for cfg in config.replicas}
+        self.config = config
+        for r in self.replicas.values():
+            r.breaker.config = config.breaker
+        for name in old.keys() - new.keys():
+            self._detach(name)
+        for name, cfg in new.items():
+            current = self.replicas.get(name)
+            if current is None:
+                self.add(cfg)
+            elif _same_engine(current.config, cfg):
+                current.config = cfg
+            else:
+                self._detach(name)
+                self.add(cfg)
+        self._from_config = set(new)
+
+    # internals
+
+    def _insert(self, cfg: ReplicaConfig) -> Replica:
+        replica = Replica(cfg, CircuitBreaker(self.config.breaker, self.clock))
+        self.replicas[cfg.name] = replica
+        if self._started:
+            self._notify("on_added", replica)
+        return replica
+
+    def _detach(self, name: str) -> None:
+        del self.replicas[name]
+        self._from_config.discard(name)
+        self._cancel_loops(name)
+        if self._started:
+            self._notify("on_removed", name)
+
+    def _spawn_loops(self, replica: Replica, first_look: bool = False) -> None:
+        self._tasks[replica.name] = [
+            asyncio.create_task(self._health_loop(replica, first_look), name=f"health:{replica.name}"),
+            asyncio.create_task(self._scrape_loop(replica), name=f"scrape:{replica.name}"),
+        ]
+
+    def _cancel_loops(self, name: str) -> None:
+        for task in self._tasks.pop(name, []):
+            task.cancel()
+            self._stopping.add(task)
+
+    async def _await_cancelled(self) -> None:
+        tasks, self._stopping = self._stopping, set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _first_look(self, replica: Replica) -> None:
+        await asyncio.gather(self._check_health(replica), self._scrape(replica))
+
+    async def _health_loop(self, replica: Replica, first_look: bool) -> None:
+        if first_look:
+            await self._first_look(replica)
+        while True:
+            await asyncio.sleep(self.config.health.interval_s)
+            try:
+                await self._check_health(replica)
+            except Exception:  # a bug in one probe must not end the loop for good
+                log.exception("health check of %s failed unexpectedly", replica.name)
+
+    async def _scrape_loop(self, replica: Replica) -> None:
+        while True:
+            await asyncio.sleep(self.config.scrape.interval_ms / 1000.0)
+            if replica.healthy:
+                try:
+                    await self._scrape(replica)
+                except Exception:  # same: keep scraping after an unexpected error
+                    log.exception("scrape of %s failed unexpectedly", replica.name)
+
+    async def _scrape(self, replica: Replica) -> ScrapedLoad | None:
+        timeout = min(SCRAPE_TIMEOUT_CAP_S, self.config.scrape.stale_after_ms / 2000.0)
+        load = await scrape_metrics(self.session, replica.url, timeout, self.clock)
+        if load is not None and replica.record_scrape(load) and self.replicas.get(replica.name) is replica:
+            log.warning("replica %s restarted (process start time moved to %.3f)", replica.name, load.started_at)
+            self._notify("on_restarted", replica.name, load.started_at)
+        return load
+
+    async def _check_health(self, replica: Replica) -> None:
+        health = self.config.health
+        ok = await probe_health(self.session, replica.url, health.timeout_s)
+        if ok:
+            models = await fetch_models(self.session, replica.url, health.timeout_s)
+            if models is not None:
+                replica.served_models = models
+        was_down = replica.health.up is False
+        transition = replica.health.observe(ok, health)
+        if self.replicas.get(replica.name) is not replica:
+            return
+        if transition is None:
+            if ok and replica.recovery_scrapes:
+                await self._recover(replica)
+            return
+        if transition == "down":
+            replica.healthy = False
+            replica.recovery_scrapes = 0
+            log.warning("replica %s marked down (health checks failing)", replica.name)
+            self._notify("on_reset", replica.name, "down")  # a dead engine's cache is gone: no hit, no source
+        elif was_down:
+            await self._recover(replica)
+        else:
+            replica.healthy = True
+
+    async def _recover(self, replica: Replica) -> None:
+        """Health probes pass again after an outage. A fresh process start time tells the index whether what it
+        learned while the replica was down came from the engine now running, so the replica takes requests only
+        once a scrape has answered (or ``RECOVERY_SCRAPES`` probes found none): a recovery decided without it would
+        forget what the running engine published meanwhile. Nothing routes here or scrapes in the loop until then."""
+        load = await self._scrape(replica)
+        if self.replicas.get(replica.name) is not replica or replica.health.up is not True:
+            return
+        if load is None and replica.recovery_scrapes < RECOVERY_SCRAPES - 1:
+            replica.recovery_scrapes += 1
+            return
+        replica.recovery_scrapes = 0
+        replica.generation += 1
+        replica.breaker.reset()
+        replica.healthy = True
+        log.warning("replica %s recovered: generation %d", replica.name, replica.generation)
+        self._notify("on_recovered", replica.name, None if load is None else load.started_at)
+
+    def _notify(self, event: str, *args: Any) -> None:
+        for listener in list(self.listeners):
+            try:
+                getattr(listener, event)(*args)
+            except Exception:  # one broken listener must not break the fleet or the others
+                log.exception("fleet listener %r failed on %s", listener, event)
+
+
+def _same_engine(a: ReplicaConfig, b: ReplicaConfig) -> bool:
+    """Same engine and event stream behind both configs (only labels may change in place)."""
+    return (a.url, a.engine, a.kv_events, a.kv_replay, a.kv_topic) == (b.url, b.engine, b.kv_events, b.kv_replay, b.kv_topic)

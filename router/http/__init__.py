@@ -1,0 +1,1 @@
+"""The HTTP surface: the app and its handlers, request bodies, errors, auth and tenants."""

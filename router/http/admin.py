@@ -1,0 +1,116 @@
+"""Operator endpoints under ``/admin``: list, add, drain and remove replicas, and reload the policy file.
+
+All of them need ``Authorization: Bearer <admin token>`` (``server.admin_token``, or env ``KVGATE_ADMIN_TOKEN``; see
+:mod:`router.http.auth`); with no token configured the admin surface does not exist (404), so a forgotten setting never
+leaves it open. Bodies are
+read and validated here rather than by FastAPI's parameter binding, so the token is checked before anything about the
+body is revealed, and errors come back in OpenAI's shape like every other kvgate error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from kvgate.router.config import format_validation_error
+from kvgate.router.fleet.config import ReplicaConfig
+from kvgate.router.fleet.state import Fleet, Replica
+from kvgate.router.http.auth import Credentials
+from kvgate.router.http.errors import ApiError
+from kvgate.router.ops.reload import ConfigHolder
+
+
+def build_admin_router(fleet: Fleet, holder: ConfigHolder) -> APIRouter:
+    router = APIRouter(prefix="/admin")
+
+    def authorize(request: Request) -> None:
+        """The token in force: the policy file's (reloadable), else the environment's."""
+        Credentials.of(holder.current.server).require_admin(request.headers.get("authorization"))
+
+    def replica_or_404(name: str) -> Replica:
+        replica = fleet.replicas.get(name)
+        if replica is None:
+            raise ApiError(404, f"No replica named {name!r}.", param="name", code="replica_not_found")
+        return replica
+
+    @router.get("/replicas")
+    async def list_replicas(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [replica_status(fleet, r) for r in fleet.replicas.values()]})
+
+    @router.post("/replicas")
+    async def add_replica(request: Request) -> JSONResponse:
+        authorize(request)
+        try:
+            cfg = ReplicaConfig.model_validate(msgspec.json.decode(await request.body()))
+        except msgspec.DecodeError as e:
+            raise ApiError(400, f"Body is not valid JSON: {e}", code="invalid_json") from e
+        except ValidationError as e:
+            raise ApiError(422, format_validation_error(e), code="invalid_value") from e
+        try:
+            replica = fleet.add(cfg)
+        except ValueError as e:
+            raise ApiError(409, str(e), param="name", code="replica_exists") from e
+        return JSONResponse(replica_status(fleet, replica), status_code=201)
+
+    @router.post("/replicas/{name}/drain")
+    async def drain_replica(name: str, request: Request) -> JSONResponse:
+        authorize(request)
+        replica = replica_or_404(name)
+        fleet.drain(name)
+        return JSONResponse(replica_status(fleet, replica))
+
+    @router.delete("/replicas/{name}")
+    async def remove_replica(name: str, request: Request) -> JSONResponse:
+        authorize(request)
+        replica_or_404(name)
+        await fleet.remove(name)
+        return JSONResponse({"name": name, "deleted": True})
+
+    @router.post("/reload")
+    async def reload_config(request: Request) -> JSONResponse:
+        authorize(request)
+        if not holder.reload():
+            raise ApiError(400, f"Config rejected, previous config stays in force: {holder.last_error}",
+                           code="config_rejected")
+        return JSONResponse(
+            {"reloaded": True, "reloads_ok": holder.reloads_ok, "reloads_rejected": holder.reloads_rejected}
+        )
+
+    return router
+
+
+def replica_status(fleet: Fleet, replica: Replica) -> dict[str, Any]:
+    """What an operator wants to see about one replica (also the admin API's response body)."""
+    scraped = fleet.fresh_scrape(replica)
+    return {
+        "name": replica.name,
+        "url": replica.url,
+        "engine": replica.config.engine,
+        "role": replica.config.role,
+        "bootstrap_port": replica.config.bootstrap_port,
+        "labels": dict(replica.config.labels),
+        "healthy": replica.healthy,
+        "draining": replica.draining,
+        "routable": replica.routable(),
+        "breaker": replica.breaker.state,
+        "generation": replica.generation,
+        "in_flight": replica.in_flight,
+        "in_flight_prefill_tokens": replica.in_flight_prefill_tokens,
+        "in_flight_prefilling": replica.in_flight_prefilling,
+        "arrival_rate_per_s": round(replica.arrival_rate_per_s(fleet.clock()), 3),
+        "scraped": None
+        if scraped is None
+        else {
+            "waiting": scraped.waiting,
+            "running": scraped.running,
+            "kv_usage": scraped.kv_usage,
+            "block_size": scraped.block_size,
+            "age_ms": round((fleet.clock() - scraped.at) * 1000.0, 1),
+        },
+        "models": [m["id"] for m in replica.served_models],
+    }

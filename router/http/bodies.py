@@ -1,0 +1,105 @@
+"""Reading and validating OpenAI request bodies: once, cheaply, with OpenAI-style errors for client mistakes.
+
+The gateway parses a body exactly once (msgspec) and checks only what routing needs; every other field passes through
+to the engine unchanged, so the engine stays the judge of its own API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+from starlette.requests import ClientDisconnect, Request
+
+from kvgate.router.http.errors import ApiError
+
+log = logging.getLogger("kvgate.bodies")
+
+_decode = msgspec.json.Decoder().decode
+
+COUNT_ITEMS_ABOVE_BYTES = 65536
+"""Bodies up to this size cannot hold enough JSON values to matter: their bytes are not counted."""
+_STRUCTURE_BYTES = b"{[,"
+
+
+async def read_body(request: Request, limit: int, timeout_s: float, max_items: int | None) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes by Content-Length or by what actually arrives,
+    and (408) a body that has not arrived in full within ``timeout_s``. A client that disconnects during the upload
+    is a 499 for the request log: one line, no traceback.
+
+    A body over :data:`COUNT_ITEMS_ABOVE_BYTES` with more than ``max_items`` ``{``, ``[`` and ``,`` bytes (an upper
+    bound of the JSON values it holds) is refused (413) as soon as the count passes the limit, chunk by chunk as it
+    arrives: decoding builds every value on the event loop, so 800,000 tiny messages would hold it for seconds, and
+    counting a whole body at once would hold it too. ``max_items=None`` (bodies that are not JSON) counts nothing."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    items = -1  # not counted yet
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+                if max_items is not None and size > COUNT_ITEMS_ABOVE_BYTES:
+                    items = _structure_bytes(chunks) if items < 0 else items + _structure_bytes([chunk])
+                    if items > max_items:
+                        raise ApiError(
+                            413, f"request body holds more than {max_items} JSON values (objects, arrays, elements)",
+                            code="request_too_complex",
+                        )
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout_s:g} s", code="request_timeout") from None
+    except ClientDisconnect:
+        log.info("client disconnected during the request body upload (%d bytes received)", size)
+        raise ApiError(499, "client disconnected during the upload", code="client_closed") from None
+    return b"".join(chunks)
+
+
+def _structure_bytes(chunks: list[bytes]) -> int:
+    return sum(len(chunk) - len(chunk.translate(None, _STRUCTURE_BYTES)) for chunk in chunks)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; nesting beyond the decoder's depth limit (~1,000 levels) is a 400 too."""
+    if not raw:
+        raise ApiError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = _decode(raw)
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def required_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, "'model' is required", param="model", code="missing_field")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' must be a non-empty string", param="model", code="invalid_type")
+    return model
+
+
+def wants_stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream")
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_type")
+    return stream
+
+
+def client_salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ApiError(400, "'cache_salt' must be a string", param="cache_salt", code="invalid_type")
+    return salt

@@ -1,0 +1,78 @@
+"""The HTTP surface's sections of the policy file: the server, the shape requests may have, and tenants."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+
+from kvgate.cache_index.config import Section
+
+
+class ServerConfig(Section):
+    host: str = "127.0.0.1"
+    """Address kvgate listens on (CLI --host overrides)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """Port kvgate listens on (CLI --port overrides)."""
+    admin_token: SecretStr | None = None
+    """Bearer token for /admin/* (also read from env KVGATE_ADMIN_TOKEN); admin endpoints are off when unset. It
+    also opens /kvgate/v1/explain on any tenant's namespace and /metrics."""
+    events_token: SecretStr | None = None
+    """Bearer token for POST /kvgate/v1/events (also read from env KVGATE_EVENTS_TOKEN); the HTTP KV-event ingest is
+    off (404) when unset. Must differ from the admin token."""
+    metrics_token: SecretStr | None = None
+    """Bearer token for GET /metrics (also read from env KVGATE_METRICS_TOKEN; the admin token works too); /metrics
+    is open when unset."""
+    peer_token: SecretStr | None = None
+    """Bearer token the gateway replicas present to each other (also read from env KVGATE_PEER_TOKEN): it opens
+    /kvgate/v1/peer/snapshot (so does the admin token), and a starting gateway sends it to its peers (else the
+    admin token). The snapshot endpoint is off (404) when neither is set. Must differ from the events token."""
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    """Request bodies above this get 413."""
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    """On SIGTERM/SIGINT: stop accepting, let in-flight streams finish up to this long, then cancel them."""
+    log_requests: bool = True
+    """One JSON line per request at info level."""
+    keep_alive_timeout_s: float = Field(5.0, gt=0)
+    """An idle client connection is closed this long after its last response (uvicorn's ``timeout_keep_alive``)."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """A request body must arrive in full within this long, else 408: slow-body clients cannot hold a request."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A request's line and headers must arrive within this long of the connection opening (or, on a kept-alive
+    connection, of the request's first byte), else the connection is closed: clients that send headers a byte at a
+    time (slowloris) cannot hold connections. Read at startup."""
+
+
+class LimitsConfig(Section):
+    """The shape a request may have; anything beyond is answered with a 4xx before anything is forwarded."""
+
+    max_messages: int = Field(4096, ge=1)
+    """Chat messages per request."""
+    max_prompt_chars: int = Field(4_000_000, ge=1)
+    """Characters of prompt text (a completions prompt, the messages' contents, and the rendered chat template)."""
+    max_json_items: int = Field(200_000, ge=1)
+    """Upper bound on the JSON values of a body over 64 KiB (its ``{``, ``[`` and ``,`` bytes, counted as they
+    arrive); more is a 413: decoding hundreds of thousands of tiny values would hold the event loop for seconds."""
+    trust_request_chat_template: bool = False
+    """Accept a request's own ``chat_template`` (or ``chat_template_kwargs.chat_template``), as vLLM's
+    ``--trust-request-chat-template``; otherwise such requests get 400. Trusted templates are rendered in a
+    sandboxed child process with the time and size limits below."""
+    request_template_timeout_s: float = Field(1.0, gt=0)
+    """A request's own chat template must render within this long, else 400 (the render is killed)."""
+    request_template_memory_mb: int = Field(1024, ge=64)
+    """Address-space limit of the process rendering request templates."""
+
+
+class TenantsConfig(Section):
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    """API key → tenant name. When this or keys_file is set, every request needs a valid key (else 401)."""
+    keys_file: str | None = None
+    """File of ``sha256hex tenant`` lines (hashed keys), re-read on reload."""
+    salt_secret: SecretStr | None = None
+    """Server secret the tenants' cache_salts are derived with (HMAC-SHA256), at least 16 characters. Required with
+    tenants: set this, salt_secret_file or env KVGATE_SALT_SECRET. Changing it rotates every salt (one cold cache)."""
+    salt_secret_file: str | None = None
+    """File holding the salt secret (e.g. a mounted Kubernetes Secret; surrounding whitespace ignored), re-read on
+    reload; used when salt_secret is unset."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_keys) or self.keys_file is not None

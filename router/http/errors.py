@@ -1,0 +1,103 @@
+"""OpenAI-style error bodies, so every client SDK shows kvgate's errors the way it shows OpenAI's.
+
+Client mistakes (bad JSON, missing fields, unknown model, too large, bad key) raise :class:`ApiError` anywhere on the
+request path; one exception handler turns it into ``{"error": {"message", "type", "param", "code"}}``. Framework
+errors (unknown route, wrong method, admin body validation) get the same shape, so no client ever sees a bare HTML
+or FastAPI-style error, and an unexpected bug is a 500 in the same shape rather than a dropped connection.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = logging.getLogger("kvgate.errors")
+
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+class ApiError(Exception):
+    """A request that kvgate answers with an OpenAI-style error instead of proxying it."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or ERROR_TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        return Response(
+            msgspec.json.encode(self.body()), status_code=self.status, headers=headers, media_type="application/json"
+        )
+
+    def sse_event(self) -> bytes:
+        """The error as the last events of an SSE stream that already started (OpenAI's streaming error form)."""
+        return b"data: " + msgspec.json.encode(self.body()) + b"\n\ndata: [DONE]\n\n"
+
+
+async def _api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    err = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
+    return err.response(dict(exc.headers) if exc.headers else None)
+
+
+async def _validation_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+    return ApiError(422, message, param=".".join(loc) or None, code="invalid_value").response()
+
+
+def unexpected_error(exc: BaseException) -> Response:
+    """A bug on the request path: logged with its traceback, answered as an OpenAI-style 500."""
+    log.exception("unhandled error on the request path", exc_info=exc)
+    return ApiError(500, "internal error in kvgate", code="internal_error").response()
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> Response:
+    return unexpected_error(exc)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)

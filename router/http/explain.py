@@ -1,0 +1,71 @@
+"""The body of ``POST /kvgate/v1/explain``: a request routed with ``explain=True``, laid out as the decision and the
+numbers behind it, per replica."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from kvgate.policies.explain import explain_replicas
+from kvgate.router.routing.router import Routed
+
+
+def explain_body(routed: Routed, policy: str, generation_of: Callable[[str], int | None]) -> dict[str, Any]:
+    """``routed``'s decision and numbers under ``policy``; ``generation_of`` is the index's generation of a replica
+    (None when the index does not track it)."""
+    decision = routed.decision
+    request = routed.request
+    numbers = decision.details.get("replicas")
+    if not isinstance(numbers, dict):
+        numbers = explain_replicas(request, list(routed.views.values()), routed.routing.cost_model)
+    replicas = []
+    for name, view in routed.views.items():
+        row = dict(numbers.get(name, {}))
+        row.pop("cached_tokens", None)
+        # The index's generation moves on every restart, AllBlocksCleared and reset (health recovery included);
+        # the fleet's counts health recoveries only.
+        generation = generation_of(name)
+        replicas.append({
+            "name": name,
+            "role": view.role,
+            "block_size": routed.block_sizes.get(name, request.block_size),
+            "healthy": view.healthy,
+            "draining": view.draining,
+            "can_source": view.can_source,
+            "generation": view.generation if generation is None else generation,
+            "cached_tokens": view.match.as_dict(),
+            "queue_delay_ms": row.pop("queue_delay_ms", 0.0),
+            "predicted_ttft_ms": row.pop("predicted_ttft_ms", 0.0),
+            "in_flight": view.in_flight,
+            "in_flight_prefill_tokens": view.in_flight_prefill_tokens,
+            **row,
+        })
+    prefill = routed.routing.cost_model.prefill
+    calibrator = routed.routing.calibrator
+    extra = {k: v for k, v in decision.details.items() if k != "replicas"}
+    return {
+        "prompt_tokens": request.prompt_tokens,
+        "approximate": request.approximate,
+        "tokenizer": routed.tokenized.source,
+        "block_size": request.block_size,
+        "blocks": len(routed.keys),
+        "policy": policy,
+        "decision": {
+            "replica": decision.replica,
+            "action": decision.action,
+            "reason": decision.reason,
+            "source": decision.source,
+            "ranked": decision.ranked,
+            **extra,
+        },
+        "replicas": replicas,
+        "cost_model": {
+            "fixed_ms": prefill.fixed_ms,
+            "per_token_ms": prefill.per_token_ms,
+            "quadratic_ms": prefill.quadratic_ms,
+            "decode_ms_per_token": prefill.decode_ms_per_token,
+            "calibration": None if calibrator is None else dataclasses.asdict(calibrator.state()),
+        },
+        "route_ms": round(routed.route_ms, 3),
+    }

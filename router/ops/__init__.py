@@ -1,0 +1,1 @@
+"""Operations: the server process, metrics, logs, policy-file reloads, the demo."""

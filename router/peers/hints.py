@@ -1,0 +1,312 @@
+"""Routing hints between gateway replicas: the prompts each one just routed, credited by the others as predicted, and
+the prefill work each has dispatched.
+
+A gateway predicts a prompt's blocks on the replica it sends it to until the engine's events confirm them; without
+hints, a sibling request that reaches another gateway first misses that prediction and may be placed cold
+elsewhere. With ``peers.hints``, every gateway publishes each prediction on a ZMQ PUB socket and subscribes to its
+peers': one message ``[2, sent_at, sender, replica, keys]`` (msgpack; keys as packed little-endian uint64s). A few
+times a second it also publishes the prefill work it has in flight per replica, ``[3, sent_at, sender, [[replica,
+tokens, requests], ...]]``, which its peers add to their own when they estimate a replica's queue
+(:mod:`router.peers.work`). ``sender`` is the gateway's instance id: a gateway that hears itself (its own address
+among the peers found by DNS) ignores its own messages.
+
+A hint is a prediction, never a holding: the receiver credits it as predicted, for what is left of the time-to-live
+(``index.predicted_ttl_s``) since it was sent (the gateways' wall clocks, kept in step by NTP), and drops one that
+is older, names a replica it does not have, or does not decode. A work report counts for ``work_ttl_s`` after it
+was sent, never longer. PUB/SUB drops messages to a peer that is gone or slow, so losing peers only loses hints:
+routing falls back to each gateway's own predictions and load.
+
+Peers are the configured ``connect`` endpoints plus, with ``port`` and ``peers.dns``, every address of the gateways'
+headless Service, re-resolved every ``resolve_interval_s`` with engine discovery's resolver (a failed resolution
+keeps the last set; an address that left is disconnected).
+
+Hints say which replica each request went to and when, so they are tenant traffic, and a received hint changes
+routing: the exchange runs over CURVE (ZMQ's encryption and authentication) with one key pair every gateway derives
+from the peer token. A publisher accepts only subscribers presenting that key, and a subscriber only publishers
+holding it, so nobody without the token can read hints or inject them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils import z85
+
+from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.snapshot import pack_keys, unpack_keys
+from kvgate.router.fleet.config import DiscoveryConfig, DiscoveryPorts
+from kvgate.router.fleet.discovery.dns import DnsSource, ResolutionFailed
+from kvgate.router.peers.config import PeersConfig
+from kvgate.router.peers.work import MAX_REPORTED_REPLICAS, PeerWork
+
+log = logging.getLogger(__name__)
+
+HINT_FORMAT = 2
+WORK_FORMAT = 3
+MAX_HINT_KEYS = 1 << 16
+"""A prompt of a million tokens in 16-token blocks; more keys than this is no hint a gateway sends."""
+MAX_SENDER_CHARS = 64
+SEND_HWM = 10_000
+"""Hints queued for a slow peer before new ones are dropped (PUB's high-water mark)."""
+WORK_INTERVAL_S = 0.05
+"""How often a gateway looks at its dispatched prefill work and publishes it when it changed."""
+ZAP_DOMAIN = "kvgate-hints"
+_KEY_LABEL = b"kvgate peer hints curve key"
+
+
+def curve_keys(peer_token: str) -> tuple[bytes, bytes]:
+    """The (public, secret) CURVE key pair, Z85-encoded, that every gateway holding ``peer_token`` derives alike."""
+    secret = z85.encode(hmac.new(peer_token.encode(), _KEY_LABEL, hashlib.sha256).digest())
+    return zmq.curve_public(secret), secret
+
+
+class _OnlyPeers:
+    """ZAP credentials check: a subscriber must present the peers' public key."""
+
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.public)
+
+
+class Hint(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=HINT_FORMAT):
+    """A prompt a peer just routed: its block keys, predicted on ``replica``."""
+
+    sent_at: float
+    """Wall-clock seconds when the sending gateway routed the prompt."""
+    sender: str
+    replica: str
+    keys: bytes
+
+
+class Work(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=WORK_FORMAT):
+    """A peer's dispatched prefill work: per replica, uncached prompt tokens and requests still prefilling."""
+
+    sent_at: float
+    sender: str
+    loads: list[tuple[str, int, int]]
+
+
+@dataclass(slots=True)
+class HintStats:
+    published: int = 0
+    applied: int = 0
+    dropped: int = 0
+    """Received and not credited: malformed, too old, an unknown replica."""
+    work_published: int = 0
+    work_applied: int = 0
+    work_dropped: int = 0
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(Hint | Work).decode
+OwnWork = Callable[[], dict[str, tuple[int, int]]]
+"""This gateway's dispatched prefill work: replica → (prefill tokens, requests prefilling), busy replicas only."""
+
+
+class HintExchange:
+    """Publishes this gateway's predictions and prefill work and takes in its peers' (see the module docstring)."""
+
+    def __init__(
+        self, config: PeersConfig, index: PrefixIndex, known: Callable[[str], bool], peer_token: str | None,
+        sender: str, own_work: OwnWork = dict, clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.peers = config
+        self.config = config.hints
+        self.index = index
+        self.known = known
+        self.sender = sender[:MAX_SENDER_CHARS]
+        self.own_work = own_work
+        self.clock = clock
+        self.stats = HintStats()
+        self.work = PeerWork(self.config.work_ttl_s, clock)
+        self._keys = curve_keys(peer_token) if peer_token else None
+        self._context: zmq.asyncio.Context | None = None
+        self._auth: AsyncioAuthenticator | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._resolved: set[str] = set()
+        """Peers' endpoints found by DNS that the subscriber is connected to."""
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def follows_dns(self) -> bool:
+        return bool(self.config.port is not None and self.peers.dns.name)
+
+    def start(self) -> None:
+        """Bind the publisher and subscribe to the peers. The configuration check has made sure a peer token is
+        set whenever hints are on."""
+        if not (self.config.bind or self.config.connect or self.follows_dns):
+            return
+        if self._keys is None:
+            raise ValueError("peers.hints needs server.peer_token (or the admin token)")
+        public, secret = self._keys
+        self._context = zmq.asyncio.Context()
+        loop = asyncio.get_running_loop()
+        if self.config.bind:
+            self._auth = AsyncioAuthenticator(self._context)
+            self._auth.start()
+            self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_OnlyPeers(public))
+            pub = self._context.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, SEND_HWM)
+            pub.curve_server = True
+            pub.curve_secretkey = secret
+            pub.zap_domain = ZAP_DOMAIN.encode()
+            pub.bind(self.config.bind)
+            self._pub = pub
+            if self.config.work_ttl_s > 0:
+                self._tasks.append(loop.create_task(self._share_work(), name="peer-work"))
+        if self.config.connect or self.follows_dns:
+            sub = self._context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.curve_serverkey = public
+            sub.curve_publickey = public
+            sub.curve_secretkey = secret
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            for endpoint in self.config.connect:
+                sub.connect(endpoint)
+            self._sub = sub
+            self._tasks.append(loop.create_task(self._receive(sub), name="peer-hints"))
+            if self.follows_dns:
+                self._tasks.append(loop.create_task(self._follow_dns(), name="peer-hints-dns"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for sock in (self._pub, self._sub):
+            if sock is not None:
+                sock.close(0)
+        self._pub = self._sub = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._context is not None:
+            self._context.destroy(0)
+            self._context = None
+
+    def publish(self, replica: str, keys: Sequence[int]) -> None:
+        """This gateway just routed a prompt with these block keys to ``replica``; never blocks."""
+        if self._pub is None or not keys or len(keys) > MAX_HINT_KEYS:
+            return
+        if self._send(Hint(self.clock(), self.sender, replica, pack_keys(keys))):
+            self.stats.published += 1
+
+    def peer_prefill(self, replica: str) -> tuple[int, int]:
+        """The peers' dispatched prefill on ``replica``: (tokens, requests), as far as their reports still count."""
+        return self.work.prefill(replica)
+
+    def apply(self, message: bytes) -> bool:
+        """Take in one received message; False when it is dropped (or is this gateway's own)."""
+        try:
+            decoded: Hint | Work | None = _decode(message)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            decoded = None
+        if isinstance(decoded, Work):
+            return self._apply_work(decoded)
+        hint = decoded
+        if hint is not None and hint.sender == self.sender:
+            return False
+        if hint is None or len(hint.keys) % 8 or not hint.keys or len(hint.keys) > 8 * MAX_HINT_KEYS \
+                or not self.known(hint.replica):
+            self.stats.dropped += 1
+            return False
+        left = self.index.predicted_ttl_s - (self.clock() - hint.sent_at)
+        if not left > 0 or hint.sent_at > self.clock() + self.index.predicted_ttl_s:  # too old, or from the future
+            self.stats.dropped += 1
+            return False
+        self.index.predict(hint.replica, unpack_keys(hint.keys), ttl_s=left)
+        self.stats.applied += 1
+        return True
+
+    def _apply_work(self, work: Work) -> bool:
+        if work.sender == self.sender:
+            return False
+        if self.config.work_ttl_s <= 0 or len(work.sender) > MAX_SENDER_CHARS \
+                or len(work.loads) > MAX_REPORTED_REPLICAS:
+            self.stats.work_dropped += 1
+            return False
+        loads = {replica: (tokens, prefilling) for replica, tokens, prefilling in work.loads if self.known(replica)}
+        if not self.work.update(work.sender, work.sent_at, loads):
+            self.stats.work_dropped += 1
+            return False
+        self.stats.work_applied += 1
+        return True
+
+    def _send(self, message: Hint | Work) -> bool:
+        if self._pub is None:
+            return False
+        try:
+            self._pub.send(_encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    async def _share_work(self) -> None:
+        """Publish this gateway's prefill work when it changed, and again every third of the time-to-live while
+        there is any, so peers never hold a report past it."""
+        last: dict[str, tuple[int, int]] = {}
+        last_sent = float("-inf")
+        refresh_s = self.config.work_ttl_s / 3
+        while True:
+            await asyncio.sleep(WORK_INTERVAL_S)
+            work = self.own_work()
+            now = self.clock()
+            if work == last and not (work and now - last_sent >= refresh_s):
+                continue
+            loads = [(replica, tokens, prefilling) for replica, (tokens, prefilling) in work.items()]
+            if self._send(Work(now, self.sender, loads)):
+                self.stats.work_published += 1
+                last, last_sent = work, now
+
+    async def _receive(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sub.recv_multipart()
+            if len(frames) == 1:
+                self.apply(frames[0])
+            else:
+                self.stats.dropped += 1
+
+    async def _follow_dns(self) -> None:
+        """Subscribe to every address the gateways' headless Service lists, as it changes."""
+        peers = self.peers
+        ports = DiscoveryPorts(http=peers.port, kv_events=self.config.port, kv_replay=None)
+        source = DnsSource(DiscoveryConfig(kind="dns", dns=peers.dns, ports=ports, scheme=peers.scheme))
+        while True:
+            try:
+                targets = await source.resolve()
+            except ResolutionFailed as e:
+                log.warning("peer hints: resolving %s failed, keeping the last answer: %s", peers.dns.name, e)
+            else:
+                self.follow({t.config.kv_events for t in targets.values() if t.config.kv_events})
+            await asyncio.sleep(self.config.resolve_interval_s)
+
+    def follow(self, endpoints: set[str]) -> None:
+        """Be subscribed to exactly these DNS-found endpoints (besides the configured ones)."""
+        sub = self._sub
+        if sub is None:
+            return
+        static = set(self.config.connect)
+        for endpoint in sorted(endpoints - self._resolved - static):
+            log.info("peer hints: subscribing to %s", endpoint)
+            sub.connect(endpoint)
+        for endpoint in sorted(self._resolved - endpoints - static):
+            log.info("peer hints: %s left", endpoint)
+            try:
+                sub.disconnect(endpoint)
+            except zmq.ZMQError:
+                pass
+        self._resolved = endpoints - static

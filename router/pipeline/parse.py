@@ -1,0 +1,54 @@
+"""The parse stage: the body decoded once (msgspec), its model one the fleet serves or the policy file declares, and
+its cache salt the tenant's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvgate.router.http.bodies import client_salt, parse_body, required_model, wants_stream
+from kvgate.router.http.errors import ApiError
+from kvgate.router.http.tenants import TenantResolver
+from kvgate.router.routing.router import Router
+
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(slots=True)
+class Parsed:
+    """A decoded request. ``raw`` is what is forwarded: the bytes as received unless a field had to be set."""
+
+    raw: bytes
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    cache_salt: str | None
+
+
+def parse(raw: bytes, router: Router) -> Parsed:
+    """Not a JSON object, without a model, or naming a model no replica serves is an :class:`ApiError`."""
+    body = parse_body(raw)
+    model = required_model(body)
+    check_model(model, router)
+    return Parsed(raw, body, model, wants_stream(body), client_salt(body))
+
+
+def check_model(model: str, router: Router) -> None:
+    if router.knows_model(model):
+        return
+    if not router.fleet.routable():
+        raise ApiError(503, "no routable replica", code="no_replica")
+    raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def salt_for_tenant(parsed: Parsed, tenants: TenantResolver, tenant: str | None) -> Parsed:
+    """With tenants, the engine gets the tenant's own salt (derived from the client's, if any), so no two tenants'
+    prompts share cache entries; the body is re-encoded only when the salt changed."""
+    salt = tenants.cache_salt(tenant, parsed.cache_salt)
+    if salt != parsed.cache_salt:
+        parsed.body["cache_salt"] = salt
+        parsed.raw = _encode(parsed.body)
+        parsed.cache_salt = salt
+    return parsed

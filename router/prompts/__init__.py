@@ -1,0 +1,1 @@
+"""Prompts as the engine sees them: the model's tokenizer and chat template, request templates."""

@@ -1,0 +1,186 @@
+"""Hot-prefix replication, the gateway's side: what was hot, which warm-ups to start, and running them.
+
+:class:`kvgate.policies.replication.HotPrefixTracker` (one per model, in the router's per-model state) decides: it
+keeps each prefix's decayed request rate and plans which prefix to warm where, within the budgets. This module feeds
+it and carries out its plans: every dispatched request's deepest held prefix is recorded (:meth:`Replication.record`),
+the prompts of nearly hot prefixes are kept to warm with, and every ``REPLICATION_INTERVAL_S`` the plan is taken and
+each warm-up run as a prefill-only request (``max_tokens: 1``) of the prefix's own token ids on the target, its KV
+pulled from a holder first when the plan says a transfer is cheaper (a failed first leg falls back to prefilling).
+After that, nothing here steers traffic: the cost policy sees the target as one more holder and spreads the prefix
+by queue delay.
+
+Warm prompts are keyed by chain keys, which are rooted in the request's namespace (its cache salt included), so they
+are per tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.policies.replication import Retired, Warmup
+from kvgate.router.fleet.state import Fleet
+from kvgate.router.ops.metrics import GatewayMetrics
+from kvgate.router.routing.router import FleetDispatcher, ModelRouting, Routed, Router
+from kvgate.router.routing.transfers import TransferRunner
+from kvgate.router.upstream.proxy import AttemptFailed, Forward, Proxy
+
+log = logging.getLogger("kvgate.app")
+
+REPLICATION_INTERVAL_S = 0.5
+"""How often hot prefixes are checked for a warm-up (and cooled ones retired)."""
+WARM_PROMPTS = 256
+"""Prompts of nearly hot prefixes kept to run their warm-ups with (least recently used forgotten first)."""
+WARM_PROMPT_HEAT = 0.5
+"""A prefix's prompt is kept once its heat reaches this fraction of ``replication.min_saving_ms_per_s``."""
+
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class WarmPrompt:
+    """What a warm-up sends: the prefix's own token ids, under the same model and cache salt (same namespace)."""
+
+    model: str
+    cache_salt: str | None
+    token_ids: array[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedWarmup:
+    warmup: Warmup
+    prompt: WarmPrompt
+    routing: ModelRouting
+
+
+class Replication:
+    """Records hot prefixes, plans warm-ups on a timer and runs each as its own background task (``spawn``)."""
+
+    def __init__(
+        self,
+        router: Router,
+        fleet: Fleet,
+        index: PrefixIndex,
+        proxy: Proxy,
+        transfers: TransferRunner,
+        metrics: GatewayMetrics,
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+    ) -> None:
+        self.router = router
+        self.fleet = fleet
+        self.index = index
+        self.proxy = proxy
+        self.transfers = transfers
+        self.metrics = metrics
+        self.spawn = spawn
+        self._warm_prompts: OrderedDict[Hashable, WarmPrompt] = OrderedDict()
+
+    def record(self, routed: Routed) -> None:
+        """Heat of the deepest prefix any replica holds (the chain key of its last block identifies it)."""
+        block_size = routed.request.block_size
+        keys = routed.keys
+        views = [v for v in routed.views.values() if routed.block_sizes.get(v.name) == block_size]
+        deepest = max((v.match.total for v in views), default=0)
+        blocks = min(deepest // block_size, len(keys))
+        if blocks == 0:
+            return
+        key = keys[blocks - 1]
+        tokens = blocks * block_size
+        holders = {v.name for v in views if v.match.total >= tokens}
+        routing = routed.routing
+        now = time.monotonic()
+        routing.hot.record(key, tokens, holders, now)
+        heat = routing.hot.heat_ms_per_s(key, routing.cost_model, now)
+        if heat >= WARM_PROMPT_HEAT * self.router.config.replication.min_saving_ms_per_s:
+            if key not in self._warm_prompts:
+                ids = array("I", routed.tokenized.token_ids[:tokens])
+                self._warm_prompts[key] = WarmPrompt(routed.request.model, routed.cache_salt, ids)
+            self._warm_prompts.move_to_end(key)
+            if len(self._warm_prompts) > WARM_PROMPTS:
+                self._warm_prompts.popitem(last=False)
+
+    def plan(self) -> tuple[list[PlannedWarmup], list[Retired]]:
+        """Warm-ups to start now for hot prefixes, and warmed replicas no longer counted (prefixes that cooled)."""
+        now = time.monotonic()
+        planned: list[PlannedWarmup] = []
+        retired: list[Retired] = []
+        for routing in self.router.model_routings():
+            retired += routing.hot.retire(routing.cost_model, now)
+            routing.margins = routing.hot.cache_margins(self.index.holds, routing.cost_model, now)
+            views = [self.router.with_capacity(self.fleet.view(name, PrefixMatch()), routing)
+                     for name in self.fleet.replicas]
+            for warmup in routing.hot.plan(views, routing.cost_model, now):
+                prompt = self._warm_prompts.get(warmup.prefix_key)
+                if prompt is None:
+                    routing.hot.warmup_finished(warmup.prefix_key, warmup.target, ok=False)
+                    continue
+                planned.append(PlannedWarmup(warmup, prompt, routing))
+        return planned, retired
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Warm-ups started / failed / skipped and replicas retired, by reason, summed over models (for metrics)."""
+        out: dict[str, dict[str, int]] = {}
+        for routing in self.router.model_routings():
+            for (event, reason), count in routing.hot.counts.items():
+                out.setdefault(event, {})
+                out[event][reason] = out[event].get(reason, 0) + count
+        return out
+
+    async def run(self) -> None:
+        """Until cancelled: plan, log retirements, start the planned warm-ups."""
+        while True:
+            await asyncio.sleep(REPLICATION_INTERVAL_S)
+            try:
+                planned, retired = self.plan()
+            except Exception:  # a planning bug must not end replication for good
+                log.exception("replication planning failed")
+                continue
+            for done in retired:
+                log.info("replication retired", extra={"fields": {
+                    "prefix": done.prefix_key, "replicas": sorted(done.replicas), "reason": done.reason}})
+            for item in planned:
+                self.spawn(self.warm(item))
+
+    async def warm(self, item: PlannedWarmup) -> None:
+        """One warm-up: a prefill-only request of the prefix's tokens on the target, its KV pulled from the source
+        first when ``via`` is ``transfer`` (a failed first leg falls back to prefilling)."""
+        warmup, prompt = item.warmup, item.prompt
+        log.info("replication started", extra={"fields": {
+            "prefix": warmup.prefix_key, "tokens": warmup.prefix_tokens, "target": warmup.target, "via": warmup.via,
+            "source": warmup.source, "reason": warmup.reason, "saving_ms_per_s": round(warmup.saving_ms_per_s, 1)}})
+        body: dict[str, Any] = {"model": prompt.model, "prompt": prompt.token_ids.tolist(), "max_tokens": 1,
+                                "stream": False}
+        if prompt.cache_salt is not None:
+            body["cache_salt"] = prompt.cache_salt
+        headers = {"content-type": "application/json", "x-request-id": f"kvgate-warmup-{uuid.uuid4().hex}"}
+        dispatcher = FleetDispatcher(self.fleet, lambda name: warmup.prefix_tokens if name == warmup.target else 0)
+        transferred = False
+        if warmup.via == "transfer" and warmup.source is not None:
+            params = await self.transfers.first_leg("/v1/completions", body, headers, warmup.source, dispatcher)
+            if params is not None:
+                body["kv_transfer_params"] = params
+                transferred = True
+        ok = False
+        try:
+            up = await self.proxy.forward(Forward("/v1/completions", _encode(body), headers, False, [warmup.target], 1),
+                                          dispatcher)
+            up.ticket.finish(True)
+            ok = up.status == 200
+        except AttemptFailed as failed:
+            log.warning("warm-up of %s failed: %s", warmup.target, failed)
+        if transferred:
+            tokens = warmup.prefix_tokens
+            self.transfers.finished(item.routing.cost_model, tokens, tokens, 0, ok)
+        item.routing.hot.warmup_finished(warmup.prefix_key, warmup.target, ok)
+        self.metrics.warmup_tokens.inc(warmup.prefix_tokens if ok else 0)

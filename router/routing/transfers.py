@@ -1,0 +1,137 @@
+"""KV transfers: vLLM's NixlConnector first leg, run for a routed request (a warm transfer or a disaggregated
+request, :mod:`kvgate.router.routing.handoff.vllm`) or a warm-up, and counted.
+
+A transfer is two requests. The first leg sends the prompt to the warm source as a prefill-only request
+(``kv_transfer_params: {"do_remote_decode": true}``, ``max_tokens: 1``; :func:`prefill_for_transfer`) and gets back
+the parameters that locate the source's KV blocks; the second sends the real request to the destination with those
+parameters, so its engine pulls the blocks instead of recomputing them. A first leg that fails or times out
+is a fallback: the destination recomputes, and the client never sees the handshake.
+
+The metrics say whether moving KV pays, by kind (a warm transfer or a disaggregated request): handshakes started /
+completed / failed / fallen back, first-leg seconds, bytes moved (cost-model bytes per token) and the prefill the
+fleet skipped because of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Literal
+
+import msgspec
+
+from kvgate.policies.cost_model import CostModel
+from kvgate.router.ops.metrics import GatewayMetrics, prefill_avoided_ms
+from kvgate.router.ops.reload import ConfigHolder
+from kvgate.router.routing.router import FleetDispatcher, Routed
+from kvgate.router.upstream.proxy import AttemptFailed, Dispatcher, Forward, Proxy
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+NIXL_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""The first leg of vLLM's NixlConnector handshake, as vLLM's own toy proxy sends it."""
+
+
+def first_leg_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill-only request of a transfer: same prompt, one token, not streamed, KV kept for the destination."""
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
+    leg.update(kv_transfer_params=dict(NIXL_PREFILL_PARAMS), stream=False, max_tokens=1)
+    if "max_completion_tokens" in body:
+        leg["max_completion_tokens"] = 1
+    return leg
+
+
+async def prefill_for_transfer(
+    proxy: Proxy, path: str, body: dict[str, Any], headers: dict[str, str], source: str, dispatcher: Dispatcher,
+    timeout_s: float,
+) -> dict[str, Any] | None:
+    """First leg of vLLM's NixlConnector handshake: prefill the prompt on ``source`` (one token, not streamed,
+    same X-Request-Id) so its KV stays held for the destination; the ``kv_transfer_params`` the destination needs,
+    or None when the leg failed, timed out or answered without them."""
+    leg = Forward(path, _encode(first_leg_body(body)), headers, False, [source], 1)
+    try:
+        async with asyncio.timeout(timeout_s):
+            up = await proxy.forward(leg, dispatcher)
+    except (AttemptFailed, TimeoutError):
+        return None
+    up.ticket.finish(True)
+    if up.status != 200:
+        return None
+    try:
+        params = _decode(up.body).get("kv_transfer_params")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return params if isinstance(params, dict) else None
+
+
+Kind = Literal["transfer", "disaggregated"]
+"""What a handshake is for (:data:`kvgate.router.ops.metrics.TRANSFER_KINDS`)."""
+
+
+def kind_of(routed: Routed) -> Kind:
+    """A routed request's handshake kind: a disaggregated one's, else a warm transfer's."""
+    return "disaggregated" if routed.decision.action == "disaggregate" else "transfer"
+
+
+class TransferRunner:
+    """Runs first legs and accounts for what each handshake moved and saved, by kind."""
+
+    def __init__(self, proxy: Proxy, metrics: GatewayMetrics, holder: ConfigHolder) -> None:
+        self.proxy = proxy
+        self.metrics = metrics
+        self.holder = holder
+
+    async def first_leg(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], source: str, dispatcher: FleetDispatcher,
+        kind: Kind = "transfer",
+    ) -> dict[str, Any] | None:
+        """The prefill-only request on ``source``, counted: a handshake started, and the leg's duration (a failed
+        leg is a fallback)."""
+        m = self.metrics
+        m.transfers[kind, "started"].inc()
+        began = time.monotonic()
+        params = await prefill_for_transfer(
+            self.proxy, path, body, headers, source, dispatcher, self.holder.current.transfer.first_leg_timeout_s
+        )
+        m.transfer_seconds[kind, "fallback" if params is None else "completed"].observe(time.monotonic() - began)
+        if params is None:
+            m.transfers[kind, "fallback"].inc()
+        return params
+
+    def finished_for(self, routed: Routed, *, ok: bool) -> None:
+        """:meth:`finished` for a routed request, from the index's matches at its decision."""
+        decision = routed.decision
+        assert decision.source is not None
+        room = max(routed.request.prompt_tokens - 1, 0)  # the destination always computes the last token itself
+        self.finished(
+            routed.routing.cost_model, routed.request.prompt_tokens,
+            min(routed.matched_tokens(decision.source), room), min(routed.matched_tokens(decision.replica), room), ok,
+            kind_of(routed),
+        )
+
+    def finished(
+        self, cost_model: CostModel, prompt_tokens: int, source_held: int, dest_held: int, ok: bool,
+        kind: Kind = "transfer",
+    ) -> None:
+        """The destination's answer to a request carrying pulled KV. Completed: the KV of every token it lacked
+        crossed the link (cost-model bytes), and the fleet skipped prefilling what the source held beyond it (for
+        a disaggregated request, the prefill replica computed the rest: it was moved, not skipped)."""
+        m = self.metrics
+        if not ok:
+            m.transfers[kind, "failed"].inc()
+            return
+        m.transfers[kind, "completed"].inc()
+        m.transfer_bytes[kind].inc((prompt_tokens - dest_held) * cost_model.kv_bytes_per_token)
+        saved_ms = prefill_avoided_ms(cost_model, prompt_tokens, source_held) - prefill_avoided_ms(
+            cost_model, prompt_tokens, dest_held
+        )
+        m.transfer_prefill_avoided[kind].inc(max(0.0, saved_ms) / 1000.0)

@@ -1,0 +1,95 @@
+"""The request path's stages alone: admit, parse, and the mapping of routing errors (tokenize, route)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvgate.policies.base import NoHealthyReplica
+from kvgate.router.http.config import TenantsConfig
+from kvgate.router.http.errors import ApiError
+from kvgate.router.http.tenants import TenantResolver
+from kvgate.router.pipeline.admit import Admission, ClientHeaders, resolve_tenant, upstream_headers
+from kvgate.router.pipeline.parse import parse, salt_for_tenant
+from kvgate.router.pipeline.route import routing_errors
+from kvgate.router.prompts.tokenizer import PromptError
+
+TENANTS = TenantResolver(TenantsConfig(api_keys={"sk-alice": "alice"}, salt_secret="s" * 32), {})
+
+
+def scope(*headers: tuple[bytes, bytes]) -> dict[str, object]:
+    return {"type": "http", "headers": list(headers)}
+
+
+class FakeFleet:
+    def __init__(self, routable: bool) -> None:
+        self._routable = routable
+
+    def routable(self) -> list[str]:
+        return ["r0"] if self._routable else []
+
+
+class FakeRouter:
+    """What the parse stage asks of the router: the models it knows, and whether any replica is routable."""
+
+    def __init__(self, models: set[str], routable: bool = True) -> None:
+        self.models = models
+        self.fleet = FakeFleet(routable)
+
+    def knows_model(self, model: str) -> bool:
+        return model in self.models
+
+
+def test_admission_takes_the_first_of_each_header_and_makes_an_id_when_none_came() -> None:
+    given = Admission.of(scope((b"x-request-id", b"abc"), (b"x-request-id", b"def"), (b"x-session-id", b"s1")))
+    assert (given.request_id, given.client.session_id, given.client.authorization) == ("abc", "s1", None)
+    made, other = Admission.of(scope()), Admission.of(scope())
+    assert len(made.request_id) == 32 and made.request_id != other.request_id
+
+
+def test_admit_resolves_the_tenant_or_answers_401() -> None:
+    assert resolve_tenant(TENANTS, "Bearer sk-alice") == "alice"
+    with pytest.raises(ApiError) as e:
+        resolve_tenant(TENANTS, "Bearer sk-mallory")
+    assert e.value.status == 401
+    assert resolve_tenant(TenantResolver(TenantsConfig()), None) is None
+
+
+def test_the_clients_key_reaches_the_engine_only_without_tenants() -> None:
+    client = ClientHeaders(request_id=None, session_id="s1", authorization="Bearer engine-key")
+    assert upstream_headers(client, "rid", tenants_enabled=False) == {
+        "content-type": "application/json", "x-request-id": "rid", "x-session-id": "s1",
+        "authorization": "Bearer engine-key"}
+    assert "authorization" not in upstream_headers(client, "rid", tenants_enabled=True)
+
+
+def test_parse_knows_the_model_or_answers_404_or_503() -> None:
+    raw = b'{"model": "m", "prompt": "hi", "stream": true, "cache_salt": "mine"}'
+    parsed = parse(raw, FakeRouter({"m"}))  # type: ignore[arg-type]
+    assert (parsed.raw, parsed.model, parsed.stream, parsed.cache_salt) == (raw, "m", True, "mine")
+    with pytest.raises(ApiError) as unknown:
+        parse(raw, FakeRouter({"other"}))  # type: ignore[arg-type]
+    assert unknown.value.status == 404
+    with pytest.raises(ApiError) as empty:
+        parse(raw, FakeRouter(set(), routable=False))  # type: ignore[arg-type]
+    assert empty.value.status == 503
+
+
+def test_a_tenants_salt_replaces_the_clients_in_the_forwarded_bytes() -> None:
+    raw = b'{"model": "m", "prompt": "hi", "cache_salt": "mine"}'
+    untouched = salt_for_tenant(parse(raw, FakeRouter({"m"})), TenantResolver(TenantsConfig()), None)  # type: ignore[arg-type]
+    assert untouched.raw is raw
+    salted = salt_for_tenant(parse(raw, FakeRouter({"m"})), TENANTS, "alice")  # type: ignore[arg-type]
+    assert salted.cache_salt not in (None, "mine")
+    assert msgspec.json.decode(salted.raw)["cache_salt"] == salted.cache_salt
+
+
+def test_routing_errors_are_answered_as_the_openai_api_does() -> None:
+    with pytest.raises(ApiError) as bad_prompt:
+        with routing_errors():
+            raise PromptError("too long", "messages", "context_length_exceeded")
+    assert (bad_prompt.value.status, bad_prompt.value.code) == (400, "context_length_exceeded")
+    with pytest.raises(ApiError) as no_replica:
+        with routing_errors():
+            raise NoHealthyReplica("m")
+    assert (no_replica.value.status, no_replica.value.code) == (503, "no_replica")
