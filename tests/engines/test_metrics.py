@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from pathlib import Path
 
 import httpx
@@ -53,54 +54,68 @@ def coefficients(gw: Gateway) -> tuple[float, float]:
 def test_calibration_converges_to_the_engines_ttft(
     replicas: list[VllmReplica], engine_runtime: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Cold streamed prompts of 100-6,000 tokens, one at a time: each one's TTFT as the engine measured it (its
-    histogram's sum before and after) against the cost model kvgate fitted from the TTFTs it observed. The
-    policy file starts the model at a fixed 150 ms + 0.005 ms per token, far from the tiny model on a CPU (tens of
-    ms per 2,048-token chunk), and lets the fit move each coefficient up to twentyfold."""
+    """Cold streamed prompts of 100-6,000 tokens, one at a time, against the cost model kvgate fitted from the TTFTs
+    it observed. The policy file starts the model at a fixed 150 ms + 0.005 ms per token, far from the tiny model on
+    a CPU (tens to hundreds of ms per 2,048-token chunk, as busy as this shared machine is), and lets the fit move
+    each coefficient as far as the data says (``max_change`` 1000).
+
+    What kvgate observes lies between two measurements taken here: the engine's own TTFT (its histogram's sum before
+    and after: scheduling and prefill, from the moment its API server has rendered and tokenized the prompt) and the
+    client's (everything, kvgate included). The engine's tokenization and HTTP sit between the two and grow with the
+    prompt, more so on a loaded machine, so the fit must land in that band, not on either line."""
     start = {"fixed_ms": 150.0, "per_token_ms": 0.005}
     gw = start_gateway(tmp_path, "calibrating", replicas, engine_runtime[1],
                        models=[{"name": MODEL_NAME, "tokenizer": str(engine_runtime[1]), "prefill": start}],
-                       calibration={"min_samples": 24, "max_change": 19.0})
+                       calibration={"min_samples": 24, "max_change": 1000.0})
     by_name = {r.name: r for r in replicas}
     api = OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
     rng = random.Random(7)
-    samples: list[tuple[int, float]] = []  # (uncached tokens, engine-measured TTFT ms)
+    engine_samples: list[tuple[int, float]] = []  # (uncached tokens, engine-measured TTFT ms)
+    client_samples: list[tuple[int, float]] = []  # (uncached tokens, client-measured TTFT ms)
     try:
         for _ in range(36):
             prompt = unique_text(rng.randint(100, 6000))
             before = {r.name: engine_ttft_seconds_total(r) for r in replicas}
+            sent = time.perf_counter()
             raw = api.completions.with_raw_response.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
                                                            stream=True, stream_options={"include_usage": True})
+            chunks, first_token_ms = [], None
+            for chunk in raw.parse():
+                if first_token_ms is None and chunk.choices:  # a completion's first chunk carries its first token
+                    first_token_ms = (time.perf_counter() - sent) * 1000
+                chunks.append(chunk)
             replica = by_name[raw.headers["x-kvgate-replica"]]
-            chunks = list(raw.parse())
             usage = chunks[-1].usage
-            assert usage is not None
+            assert usage is not None and first_token_ms is not None
             engine_ms = wait_for(lambda: (engine_ttft_seconds_total(replica) - before[replica.name]) * 1000 or None,
                                  10.0, "the engine's TTFT histogram")
             cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-            samples.append((usage.prompt_tokens - (cached or 0), engine_ms))
+            uncached = usage.prompt_tokens - (cached or 0)
+            engine_samples.append((uncached, engine_ms))
+            client_samples.append((uncached, first_token_ms))
         fixed, per_token = wait_for(lambda: (c := coefficients(gw)) != (start["fixed_ms"], start["per_token_ms"])
                                     and c or None, 10.0, "a calibrated fit")
     finally:
         gw.stop()
 
-    engine_fixed, engine_per_token = theil_sen(samples)
+    # Lines fitted robustly (this shared machine stretches a few TTFTs), read where prefill dominates.
+    sizes = (2000, 4000, 6000)
+    engine_line, client_line = theil_sen(engine_samples), theil_sen(client_samples)
+    engine = [engine_line[0] + engine_line[1] * n for n in sizes]
+    client = [client_line[0] + client_line[1] * n for n in sizes]
 
-    def error(fixed_ms: float, per_token_ms: float) -> float:
-        """How far a cost model's line is from the line through the engine's own TTFTs (fitted robustly: this shared
-        machine stretches a few of them), as the mean relative difference at 2,000, 4,000 and 6,000 tokens, where
-        prefill dominates what the gateway adds to a TTFT (HTTP, its own tokenization)."""
-        engine = [engine_fixed + engine_per_token * n for n in (2000, 4000, 6000)]
-        return statistics.mean(abs(fixed_ms + per_token_ms * n - e) / e for n, e in zip((2000, 4000, 6000), engine))
+    def outside(fixed_ms: float, per_token_ms: float) -> float:
+        """How far a cost model's line falls outside the band from 0.8x the engine's line to 1.2x the client's, as
+        the largest relative distance at the three sizes (0 inside the band)."""
+        return max(max(0.8 * low - ms, ms - 1.2 * high, 0.0) / low
+                   for low, high, ms in zip(engine, client, (fixed_ms + per_token_ms * n for n in sizes)))
 
-    initial, fitted = error(start["fixed_ms"], start["per_token_ms"]), error(fixed, per_token)
-    print(f"\nengine TTFT {min(ms for _, ms in samples):.0f}-{max(ms for _, ms in samples):.0f} ms, its line "
-          f"{engine_fixed:.1f} ms + {engine_per_token:.4f} ms/token; kvgate's fit {fixed:.1f} ms + {per_token:.4f} "
-          f"ms/token; distance {initial:.0%} before, {fitted:.0%} after")
-    # How far the starting guess is depends on this machine's speed (48-140% seen), and the fit follows the TTFTs
-    # the gateway observes, which add its own HTTP and tokenization to the engine's: it must land within 40% of the
-    # engine's line, closer than it started.
-    assert fitted < 0.4 and fitted < initial
+    initial, fitted = outside(start["fixed_ms"], start["per_token_ms"]), outside(fixed, per_token)
+    print(f"\nat {sizes} tokens: engine TTFT {[round(ms) for ms in engine]} ms, client {[round(ms) for ms in client]}"
+          f" ms; kvgate's fit {fixed:.1f} ms + {per_token:.4f} ms/token, outside the band by {initial:.0%} before,"
+          f" {fitted:.0%} after")
+    assert initial > 0.2, "the starting guess must be far off for this test to show the fit moving"
+    assert fitted == 0.0
 
 
 def theil_sen(points: list[tuple[int, float]]) -> tuple[float, float]:
