@@ -16,6 +16,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
+import zmq
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
@@ -94,6 +95,11 @@ class IndexFeed(FleetListener):
         self.gateway.ingestor.engine_started(name, started_at)
 
 
+def hint_settings(config: KvgateConfig) -> tuple[object, ...]:
+    """What the hint exchange is built from: a reload that changes any of it rebinds the exchange."""
+    return config.peers.hints, config.peers.dns, peer_token(config.server)
+
+
 class Gateway:
     """The composition root: everything one running gateway owns, built in :meth:`build`, started and stopped here,
     and the endpoints' request paths composed from the stages of :mod:`kvgate.router.pipeline`."""
@@ -132,12 +138,10 @@ class Gateway:
         self.tenants = TenantResolver(config.tenants)
         self.block_sizes = BlockSizes(self.ingestor.block_size, self._scraped_block_size)
         self.router = Router(config, self.fleet, self.index, self.tokenizer, block_sizes=self.block_sizes)
-        self.hints = HintExchange(config.peers, self.index, lambda name: name in self.fleet.replicas,
-                                  peer_token(config.server), self.instance, self.fleet.prefill_work)
-        if config.peers.hints.bind:
-            self.router.on_predicted = self.hints.publish
-        if config.peers.hints.work_ttl_s > 0:
-            self.fleet.peer_prefill = self.hints.peer_prefill
+        self.hints = self._hint_exchange(config)
+        self._hints_settings = hint_settings(config)
+        self._hints_rebinding = asyncio.Lock()
+        self._wire_hints(config)
         self.transfers = TransferRunner(self.proxy, self.metrics, self.holder)
         self.replication = Replication(self.router, self.fleet, self.index, self.proxy, self.transfers, self.metrics,
                                        self._spawn)
@@ -183,6 +187,37 @@ class Gateway:
         self.tokenizer.set_limits(config.limits)
         self.proxy.config = config.proxy
         self.request_log.enabled = config.server.log_requests
+        if hint_settings(config) != self._hints_settings:
+            self._hints_settings = hint_settings(config)
+            self._spawn(self._rebind_hints(config))
+
+    def _hint_exchange(self, config: KvgateConfig) -> HintExchange:
+        return HintExchange(config.peers, self.index, lambda name: name in self.fleet.replicas,
+                            peer_token(config.server), self.instance, self.fleet.prefill_work)
+
+    def _wire_hints(self, config: KvgateConfig) -> None:
+        """Routing publishes its predictions, and the fleet adds the peers' prefill work, through the exchange in
+        force, as far as ``config`` turns them on."""
+        self.router.on_predicted = self.hints.publish if config.peers.hints.bind else None
+        self.fleet.peer_prefill = self.hints.peer_prefill if config.peers.hints.work_ttl_s > 0 else None
+
+    async def _rebind_hints(self, config: KvgateConfig) -> None:
+        """A reload that changed the hint exchange (endpoints, peers' DNS name, token): the old one's sockets close
+        before the new one binds, so an unchanged ``bind`` is free again. Until it is up, routing goes on without
+        hints; if it cannot start (its endpoint taken), it stays off and the error is logged."""
+        async with self._hints_rebinding:
+            old, new = self.hints, self._hint_exchange(config)
+            new.stats = old.stats  # the counters run on across a reload
+            await old.stop()
+            self.hints = new
+            self._wire_hints(config)  # a stopped or unstarted exchange publishes nothing and reports no peer work
+            try:
+                new.start()
+            except (ValueError, zmq.ZMQError) as e:
+                log.error("reload: routing hints are off until a reload changes them: %s", e)
+                await new.stop()
+                return
+            log.info("reload: routing hints rebound")
 
     def _replace_tokenizer(self, config: KvgateConfig) -> None:
         """New model tokenizers take effect for new requests; a path that does not load keeps the old ones."""

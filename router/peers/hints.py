@@ -194,6 +194,10 @@ class HintExchange:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+            # The authenticator's cancelled poll must leave the event loop before its socket's descriptor is freed:
+            # left registered, it takes the events of the next socket given that number, and the next exchange's
+            # authenticator (a reload's) never answers a handshake.
+            await asyncio.sleep(0)
         if self._context is not None:
             self._context.destroy(0)
             self._context = None

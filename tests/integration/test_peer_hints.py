@@ -8,6 +8,7 @@ old or names an unknown replica is dropped; B keeps serving when A is gone.
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,8 +90,8 @@ def predicted(gw: Gateway, prompt: list[int]) -> dict[str, int]:
 
 
 def tokens(label: int) -> list[int]:
-    """A prompt of 3 blocks and a token, sharing no block with another label's (labels up to 145)."""
-    return [1000 + label * (3 * BLOCK + 1) + i for i in range(3 * BLOCK + 1)]
+    """A prompt of 3 blocks and a token, drawn from the label: no two labels' prompts share a first block."""
+    return random.Random(label).sample(range(1000, 8000), 3 * BLOCK + 1)
 
 
 count = itertools.count(110).__next__
@@ -300,3 +301,42 @@ def test_hint_peers_are_the_addresses_dns_lists_as_they_change(sim: Sim, workdir
         for gw in started:
             gw.stop()
         dns.stop()
+
+
+def test_a_reload_rebinds_the_hint_exchange(sim: Sim, workdir: Path) -> None:
+    """A gateway started without peers takes its peer's hints once a reload names the peer's endpoint, and stops
+    when a reload removes it; its own publisher moves to a new ``bind`` the same way."""
+    a_hints, c_hints, c_moved = endpoint(), endpoint(), endpoint()
+    server = {"peer_token": PEER_TOKEN, "admin_token": "admin-for-reload"}
+    index = {"predicted_ttl_s": TTL_S}
+    headers = {"authorization": "Bearer admin-for-reload"}
+    a_path = gateway_config(sim, workdir, "reload-a.yaml", index=index, server=server,
+                            peers={"hints": {"bind": a_hints, "connect": [c_hints]}})
+    c_path = gateway_config(sim, workdir, "reload-c.yaml", index=index, server=server)
+    a = start_kvgate(workdir, a_path)
+    try:
+        c = start_kvgate(workdir, c_path)
+    except BaseException:
+        a.stop()
+        raise
+
+    def reload_c(hints: dict[str, object]) -> None:
+        gateway_config(sim, workdir, "reload-c.yaml", index=index, server=server, peers={"hints": hints})
+        httpx.post(c.url + "/admin/reload", headers=headers, timeout=10).raise_for_status()
+
+    try:
+        for gw in (a, c):
+            wait_until(lambda: httpx.get(gw.url + "/ready", timeout=5).status_code == 200, timeout=30)
+        assert routed_and_shared(a, c, count(), within_s=0.5) is None
+        reload_c({"bind": c_hints, "connect": [a_hints]})
+        wait_until(lambda: routed_and_shared(a, c, count()), timeout=30)
+        wait_until(lambda: routed_and_shared(c, a, count()), timeout=30)  # A hears C's new publisher
+        reload_c({"bind": c_moved, "connect": []})
+        wait_until(lambda: routed_and_shared(a, c, count(), within_s=0.5) is None, timeout=10)
+        assert routed_and_shared(c, a, count(), within_s=0.5) is None  # C publishes where A does not listen
+        reload_c({"bind": c_hints, "connect": [a_hints]})  # the endpoint it let go is bound again
+        wait_until(lambda: routed_and_shared(c, a, count()), timeout=30)
+        assert metric_value(c, "kvgate_peer_hints_published_total") > 0
+    finally:
+        c.stop()
+        a.stop()
