@@ -60,6 +60,9 @@ SEND_HWM = 10_000
 """Hints queued for a slow peer before new ones are dropped (PUB's high-water mark)."""
 WORK_INTERVAL_S = 0.05
 """How often a gateway looks at its dispatched prefill work and publishes it when it changed."""
+WORK_MIN_GAP_S = 0.005
+"""A dispatch publishes the work at once, but no sooner than this after the previous report: a burst of
+dispatches costs a report per gap, not one each."""
 ZAP_DOMAIN = "kvgate-hints"
 _KEY_LABEL = b"kvgate peer hints curve key"
 
@@ -139,6 +142,8 @@ class HintExchange:
         self._resolved: set[str] = set()
         """Peers' endpoints found by DNS that the subscriber is connected to."""
         self._tasks: list[asyncio.Task[None]] = []
+        self._dispatched = asyncio.Event()
+        """Set by :meth:`publish`: the work just grew, report it now rather than at the next tick."""
 
     @property
     def follows_dns(self) -> bool:
@@ -208,6 +213,7 @@ class HintExchange:
             return
         if self._send(Hint(self.clock(), self.sender, replica, pack_keys(keys))):
             self.stats.published += 1
+        self._dispatched.set()
 
     def peer_prefill(self, replica: str) -> tuple[int, int]:
         """The peers' dispatched prefill on ``replica``: (tokens, requests), as far as their reports still count."""
@@ -261,12 +267,23 @@ class HintExchange:
 
     async def _share_work(self) -> None:
         """Publish this gateway's prefill work when it changed, and again every third of the time-to-live while
-        there is any, so peers never hold a report past it."""
+        there is any, so peers never hold a report past it.
+
+        A dispatch wakes it at once (:meth:`publish`, called as the request is sent: the work counts it by the time
+        this task runs). Two gateways that each place a long cold prompt on the replica they both see idle, a few
+        milliseconds apart, is the race this closes: waiting for the tick left that window open for 50 ms."""
         last: dict[str, tuple[int, int]] = {}
         last_sent = float("-inf")
+        last_checked = float("-inf")
         refresh_s = self.config.work_ttl_s / 3
         while True:
-            await asyncio.sleep(WORK_INTERVAL_S)
+            try:
+                await asyncio.wait_for(self._dispatched.wait(), WORK_INTERVAL_S)
+                await asyncio.sleep(WORK_MIN_GAP_S - (time.monotonic() - last_checked))
+            except asyncio.TimeoutError:
+                pass
+            self._dispatched.clear()
+            last_checked = time.monotonic()
             work = self.own_work()
             now = self.clock()
             if work == last and not (work and now - last_sent >= refresh_s):

@@ -7,6 +7,7 @@ old or names an unknown replica is dropped; B keeps serving when A is gone.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 import threading
@@ -20,10 +21,13 @@ import openai
 import pytest
 import zmq
 
+from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.snapshot import pack_keys
 from kvgate.loadgen.bench import free_port_block
-from kvgate.router.peers.hints import HINT_FORMAT, Hint, curve_keys
+from kvgate.router.peers import hints as hints_module
+from kvgate.router.peers.config import PeersConfig
+from kvgate.router.peers.hints import HINT_FORMAT, Hint, HintExchange, curve_keys
 from tests.integration.test_gateway import MODEL, gateway_config, metric_value, wait_until
 from tests.loopback_dns import LoopbackDns
 from tests.support import Gateway, Sim, start_kvgate, start_sim
@@ -340,3 +344,32 @@ def test_a_reload_rebinds_the_hint_exchange(sim: Sim, workdir: Path) -> None:
     finally:
         c.stop()
         a.stop()
+
+
+async def test_a_dispatch_reports_the_work_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two exchanges in this process over real ZMQ, the periodic tick set to an hour: a dispatch (``publish``) still
+    gets the sender's prefill work to its peer, so two gateways do not both place a long prompt on the replica they
+    each see idle."""
+    monkeypatch.setattr(hints_module, "WORK_INTERVAL_S", 3600.0)
+    bound = endpoint()
+    work: dict[str, tuple[int, int]] = {}
+
+    def peers(**hints: object) -> PeersConfig:
+        return PeersConfig.model_validate({"hints": hints})
+
+    sender = HintExchange(peers(bind=bound), PrefixIndex(1000, TTL_S), lambda name: True, PEER_TOKEN, "sender",
+                          own_work=lambda: dict(work))
+    receiver = HintExchange(peers(connect=[bound]), PrefixIndex(1000, TTL_S), lambda name: True, PEER_TOKEN,
+                            "receiver")
+    sender.start()
+    receiver.start()
+    try:
+        deadline = time.monotonic() + 10
+        work["sim-0"] = (4096, 1)
+        while receiver.peer_prefill("sim-0") != (4096, 1):  # the first reports may go out before the SUB joined
+            assert time.monotonic() < deadline, "no work report without the tick"
+            sender.publish("sim-0", [1, 2, 3])
+            await asyncio.sleep(0.05)
+    finally:
+        await sender.stop()
+        await receiver.stop()
