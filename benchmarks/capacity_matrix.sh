@@ -14,15 +14,8 @@ STREAM=${2:-all}
 KVGATE=${KVGATE:-.venv/bin/kvgate}
 mkdir -p "$OUT"
 COMMON=(--replicas 8 --repeat 3 --no-progress)
-TIGHT=(--kv-blocks 4096)     # 64k tokens per replica, 512k for the fleet
 ROUTERS=(--policies cost,prefix_affinity --peer sglang)
-# 24 documents of 4k-15k tokens (working set 257k: more than a replica holds, half the fleet), a new question each.
-DOCS=(--workload documents --documents 24 --document-tokens 4000:15000 --zipf 1.1 --requests 300 --time-scale 4)
-# 80 sessions of 5 turns of 1,500 tokens (working set 626k, above the fleet's 512k).
-TURNS=(--workload multi-turn --sessions 80 --turns 5 --turn-tokens 1500 --think-time 0.5 --time-scale 2)
-# 32 agentic sessions growing toward 16k tokens on a 2,000-token shared prefix (working set ~650k).
-AGENT=(--workload agentic --sessions 32 --turns 10 --context-tokens 16000 --system-tokens 2000 --think-time 0.5
-       --idle-time 3 --subagent-prob 0.25 --time-scale 2)
+source benchmarks/workloads.sh
 
 PEER_PORT=29000  # the SGLang gateway's Prometheus port; each stream sets its own so parallel gateways do not clash
 
@@ -52,8 +45,7 @@ stream_a() {
   run docs-70 "${DOCS[@]}" "${TIGHT[@]}" "${ROUTERS[@]}" --rate 4.7
   run docs-issue "${DOCS[@]}" "${TIGHT[@]}" "${ROUTERS[@]}" --rate 7.5
   run docs-30 "${DOCS[@]}" "${TIGHT[@]}" "${ROUTERS[@]}" --rate 2.0
-  run unique --workload unique --requests 1000 --prompt-tokens 1024 --rate 1000 --concurrency 64 \
-    --policies cost,least_loaded --time-scale 1
+  run unique "${UNIQUE[@]}" --policies cost,least_loaded
 }
 
 stream_b() {
@@ -66,8 +58,7 @@ stream_c() {
   PEER_PORT=29103
   run turns-70 "${TURNS[@]}" "${TIGHT[@]}" "${ROUTERS[@]}" --rate 1.9
   run turns-30 "${TURNS[@]}" "${TIGHT[@]}" "${ROUTERS[@]}" --rate 0.8
-  run shared-prefix-loaded --workload shared-prefix --groups 16 --prompts-per-group 64 --system-tokens 4096 \
-    --question-tokens 256 --rate 60 --time-scale 2 --kv-blocks 16384 "${ROUTERS[@]}"
+  run shared-prefix-loaded "${SHARED[@]}" --kv-blocks 16384 "${ROUTERS[@]}"
 }
 
 case "$STREAM" in

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # N kvgate gateways, without and with peer hints, vs 1 in front of one fleet (docs/benchmarks.md, "Several
-# gateways"): the capacity-bound documents workload, each request sent to one of the gateways at random (as a
-# Service spreads them), the three set-ups in turn on fresh fleets, REPEATS times; then the table of
-# benchmarks/gateways_report.py (engine and client TTFT, hit ratio, where siblings landed, CPU), per run and medians.
-#   [MODES="1 3 3n 3h"] benchmarks/gateways.sh [OUT] [N] [REPEATS]
+# gateways"): a workload of benchmarks/workloads.sh (default the capacity-bound documents), each request sent to one
+# of the gateways at random (as a Service spreads them), the set-ups in turn on fresh fleets, REPEATS times; then the
+# table of benchmarks/gateways_report.py (engine and client TTFT, hit ratio, where siblings landed, CPU), per run and
+# medians.
+#   [WORKLOAD=docs|turns|agentic|shared|unique] [MODES="1 3 3n 3h"] benchmarks/gateways.sh [OUT] [N] [REPEATS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-out/gateways}
@@ -11,8 +12,17 @@ N=${2:-3}
 REPEATS=${3:-3}
 KVGATE=${KVGATE:-.venv/bin/kvgate}
 mkdir -p "$OUT"
-DOCS=(--workload documents --documents 24 --document-tokens 4000:15000 --zipf 1.1 --requests 300 --rate 7.5
-      --time-scale 4 --kv-blocks 4096 --replicas 8 --policies cost --no-progress)
+source benchmarks/workloads.sh
+# Each at ~70% of what the fleet sustains (capacity_matrix.sh), documents at the issue's 30 requests per model second.
+case ${WORKLOAD:-docs} in
+  docs) LOAD=("${DOCS[@]}" "${TIGHT[@]}" --rate 7.5) ;;
+  turns) LOAD=("${TURNS[@]}" "${TIGHT[@]}" --rate 1.9) ;;
+  agentic) LOAD=("${AGENT[@]}" "${TIGHT[@]}" --rate 1.1) ;;
+  shared) LOAD=("${SHARED[@]}" --kv-blocks 16384) ;;
+  unique) LOAD=("${UNIQUE[@]}") ;;
+  *) echo "unknown WORKLOAD $WORKLOAD" >&2; exit 2 ;;
+esac
+LOAD+=(--replicas 8 --policies cost --no-progress)
 # MODES: 1 gateway, N, N with hints (h), N with hints but no prefill-work sharing (n), N of which only one takes
 # requests (i: the CPU of N gateways with the routing of one)
 read -r -a MODES <<<"${MODES:-1 $N ${N}h}"
@@ -27,7 +37,7 @@ for r in $(seq 1 "$REPEATS"); do
       *) extra=(--gateways "$mode") ;;
     esac
     echo "$(date -u +%H:%M:%S) start $name (load $(cut -d' ' -f1 /proc/loadavg))"
-    "$KVGATE" bench "${DOCS[@]}" "${extra[@]}" --out "$OUT/$name" >"$OUT/$name.log" 2>&1
+    "$KVGATE" bench "${LOAD[@]}" "${extra[@]}" --out "$OUT/$name" >"$OUT/$name.log" 2>&1
     echo "$(date -u +%H:%M:%S) done $name rc=$?"
   done
 done
