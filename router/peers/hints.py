@@ -4,8 +4,8 @@ the prefill work each has dispatched.
 A gateway predicts a prompt's blocks on the replica it sends it to until the engine's events confirm them; without
 hints, a sibling request that reaches another gateway first misses that prediction and may be placed cold
 elsewhere. With ``peers.hints``, every gateway publishes each prediction on a ZMQ PUB socket and subscribes to its
-peers': one message ``[2, sent_at, sender, replica, keys]`` (msgpack; keys as packed little-endian uint64s). A few
-times a second it also publishes the prefill work it has in flight per replica, ``[3, sent_at, sender, [[replica,
+peers': one message ``[2, sent_at, sender, replica, keys]`` (msgpack; keys as packed little-endian uint64s). At each
+dispatch, and otherwise when it changed, it also publishes the prefill work it has in flight per replica, ``[3, sent_at, sender, [[replica,
 tokens, requests], ...]]``, which its peers add to their own when they estimate a replica's queue
 (:mod:`router.peers.work`). ``sender`` is the gateway's instance id: a gateway that hears itself (its own address
 among the peers found by DNS) ignores its own messages.
@@ -271,7 +271,7 @@ class HintExchange:
 
         A dispatch wakes it at once (:meth:`publish`, called as the request is sent: the work counts it by the time
         this task runs). Two gateways that each place a long cold prompt on the replica they both see idle, a few
-        milliseconds apart, is the race this closes: waiting for the tick left that window open for 50 ms."""
+        milliseconds apart, is the race this closes: the tick alone leaves it open for up to ``WORK_INTERVAL_S``."""
         last: dict[str, tuple[int, int]] = {}
         last_sent = float("-inf")
         last_checked = float("-inf")
