@@ -13,13 +13,14 @@ REPEATS=${3:-3}
 KVGATE=${KVGATE:-.venv/bin/kvgate}
 mkdir -p "$OUT"
 source benchmarks/workloads.sh
+REPORT=()
 # Each at ~70% of what the fleet sustains (capacity_matrix.sh), documents at the 30 requests per model second.
 case ${WORKLOAD:-docs} in
   docs) LOAD=("${DOCS[@]}" "${TIGHT[@]}" --rate 7.5) ;;
   turns) LOAD=("${TURNS[@]}" "${TIGHT[@]}" --rate 1.9) ;;
   agentic) LOAD=("${AGENT[@]}" "${TIGHT[@]}" --rate 1.1) ;;
-  shared) LOAD=("${SHARED[@]}" --kv-blocks 16384) ;;
-  unique) LOAD=("${UNIQUE[@]}") ;;
+  shared) LOAD=("${SHARED[@]}" --kv-blocks 16384); REPORT=(--closed-loop) ;;
+  unique) LOAD=("${UNIQUE[@]}"); REPORT=(--closed-loop) ;;
   *) echo "unknown WORKLOAD $WORKLOAD" >&2; exit 2 ;;
 esac
 LOAD+=(--replicas 8 --policies cost --no-progress)
@@ -41,4 +42,4 @@ for r in $(seq 1 "$REPEATS"); do
     echo "$(date -u +%H:%M:%S) done $name rc=$?"
   done
 done
-.venv/bin/python benchmarks/gateways_report.py "$OUT" "${MODES[@]}"
+.venv/bin/python benchmarks/gateways_report.py "$OUT" "${MODES[@]}" "${REPORT[@]}"
