@@ -193,13 +193,13 @@ class Gateway:
 
     def _hint_exchange(self, config: KvgateConfig) -> HintExchange:
         return HintExchange(config.peers, self.index, lambda name: name in self.fleet.replicas,
-                            peer_token(config.server), self.instance, self.fleet.prefill_work)
+                            peer_token(config.server), self.instance, self.fleet.dispatched_work)
 
     def _wire_hints(self, config: KvgateConfig) -> None:
-        """Routing publishes its predictions, and the fleet adds the peers' prefill work, through the exchange in
+        """Routing publishes its predictions, and the fleet adds the peers' dispatched work, through the exchange in
         force, as far as ``config`` turns them on."""
         self.router.on_predicted = self.hints.publish if config.peers.hints.bind else None
-        self.fleet.peer_prefill = self.hints.peer_prefill if config.peers.hints.work_ttl_s > 0 else None
+        self.fleet.peer_work = self.hints.peer_work if config.peers.hints.work_ttl_s > 0 else None
 
     async def _rebind_hints(self, config: KvgateConfig) -> None:
         """A reload that changed the hint exchange (endpoints, peers' DNS name, token): the old one's sockets close

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import aiohttp
 
@@ -33,6 +33,8 @@ from kvgate.router.upstream.scrape import ScrapedLoad, scrape_metrics
 
 log = logging.getLogger(__name__)
 
+REPORTED_RATE_MIN_PER_S = 0.01
+"""A replica this gateway sends fewer requests a second than this is left out of its work report."""
 RECOVERY_SCRAPES = 5
 """Health probes a recovering replica waits for its /metrics to answer with the engine's process start time; after
 that it recovers without one, and the index forgets what it learned while the replica was down."""
@@ -41,6 +43,18 @@ SCRAPE_TIMEOUT_CAP_S = 1.0
 ARRIVAL_RATE_HALF_LIFE_S = 10.0
 """Memory of each replica's arrival rate: long enough to average a few dozen requests at a few per second, short
 enough to follow traffic that moved within a minute."""
+
+
+class DispatchedWork(NamedTuple):
+    """What one gateway has sent one replica: uncached prompt tokens and requests still prefilling, and its recent
+    dispatch rate (``Replica.arrivals``). Peer gateways exchange these (:mod:`router.peers.work`)."""
+
+    prefill_tokens: int = 0
+    prefilling: int = 0
+    arrival_rate_per_s: float = 0.0
+
+
+NO_WORK = DispatchedWork()
 
 
 class Replica:
@@ -79,11 +93,12 @@ class Replica:
     def routable(self) -> bool:
         return self.healthy and not self.draining and self.breaker.allow()
 
-    def arrival_rate_per_s(self, now: float) -> float:
-        """Requests per second arriving here: this router's own dispatches, or the engine's finish rate when that is
-        higher (other gateway replicas and direct callers send it work too; in a steady state finishes match
-        arrivals)."""
-        return max(self.arrivals.per_s(now), self.engine_finishes.per_s(now))
+    def arrival_rate_per_s(self, now: float, peers_per_s: float = 0.0) -> float:
+        """Requests per second arriving here: this router's own dispatches plus what its peer gateways report sending
+        (``peers_per_s``), or the engine's finish rate when that is higher (direct callers send it work too; in a
+        steady state finishes match arrivals). The finish rate alone is no substitute for the peers' reports: it
+        trails arrivals while a queue builds, and by a scrape interval always."""
+        return max(self.arrivals.per_s(now) + peers_per_s, self.engine_finishes.per_s(now))
 
     def record_scrape(self, load: ScrapedLoad) -> bool:
         """Keep the newest scrape; count the requests the engine finished since the previous one. A counter that went
@@ -178,9 +193,8 @@ class Fleet:
         self.clock = clock
         self.replicas: dict[str, Replica] = {}
         self.listeners: list[FleetListener] = []
-        self.peer_prefill: Callable[[str], tuple[int, int]] | None = None
-        """Prefill work other gateways dispatched to a replica (tokens, requests), added to this gateway's own in
-        its views (``peers.hints``)."""
+        self.peer_work: Callable[[str], DispatchedWork] | None = None
+        """What other gateways dispatched to a replica (``peers.hints``), added to this gateway's own in its views."""
         self._from_config: set[str] = set()
         """Replicas the policy file owns; admin-added ones survive reloads that do not mention them."""
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
@@ -213,20 +227,27 @@ class Fleet:
 
     # reading
 
-    def prefill_work(self) -> dict[str, tuple[int, int]]:
-        """This gateway's dispatched prefill per busy replica: (uncached prompt tokens, requests prefilling)."""
-        return {r.name: (r.in_flight_prefill_tokens, r.in_flight_prefilling)
-                for r in self.replicas.values() if r.in_flight_prefilling}
+    def dispatched_work(self) -> dict[str, DispatchedWork]:
+        """This gateway's own work per replica it is prefilling on or lately sends requests to."""
+        now = self.clock()
+        work = {}
+        for r in self.replicas.values():
+            rate = r.arrivals.per_s(now)
+            if r.in_flight_prefilling or rate >= REPORTED_RATE_MIN_PER_S:
+                work[r.name] = DispatchedWork(r.in_flight_prefill_tokens, r.in_flight_prefilling, rate)
+        return work
+
+    def arrival_rate_per_s(self, replica: Replica, now: float | None = None) -> float:
+        """Requests per second arriving at ``replica`` from every gateway (:meth:`Replica.arrival_rate_per_s`)."""
+        peers = NO_WORK if self.peer_work is None else self.peer_work(replica.name)
+        return replica.arrival_rate_per_s(self.clock() if now is None else now, peers.arrival_rate_per_s)
 
     def view(self, name: str, match: PrefixMatch, *, session_match: bool = False) -> ReplicaView:
         r = self.replicas[name]
         now = self.clock()
         scraped = self.fresh_scrape(r, now)
-        prefill_tokens, prefilling = r.in_flight_prefill_tokens, r.in_flight_prefilling
-        if self.peer_prefill is not None:
-            peer_tokens, peer_prefilling = self.peer_prefill(name)
-            prefill_tokens += peer_tokens
-            prefilling += peer_prefilling
+        peers = NO_WORK if self.peer_work is None else self.peer_work(name)
+        prefilling = r.in_flight_prefilling + peers.prefilling
         return ReplicaView(
             name=r.name,
             healthy=r.routable(),
@@ -234,9 +255,9 @@ class Fleet:
             can_source=r.can_source(),
             draining=r.draining,
             in_flight=r.in_flight,
-            in_flight_prefill_tokens=prefill_tokens,
+            in_flight_prefill_tokens=r.in_flight_prefill_tokens + peers.prefill_tokens,
             in_flight_prefilling=prefilling,
-            arrival_rate_per_s=r.arrival_rate_per_s(now),
+            arrival_rate_per_s=r.arrival_rate_per_s(now, peers.arrival_rate_per_s),
             scraped_waiting=None if scraped is None else scraped.waiting,
             scraped_running=None if scraped is None else scraped.running,
             kv_usage=None if scraped is None else scraped.kv_usage,

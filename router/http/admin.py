@@ -102,7 +102,7 @@ def replica_status(fleet: Fleet, replica: Replica) -> dict[str, Any]:
         "in_flight": replica.in_flight,
         "in_flight_prefill_tokens": replica.in_flight_prefill_tokens,
         "in_flight_prefilling": replica.in_flight_prefilling,
-        "arrival_rate_per_s": round(replica.arrival_rate_per_s(fleet.clock()), 3),
+        "arrival_rate_per_s": round(fleet.arrival_rate_per_s(replica), 3),
         "scraped": None
         if scraped is None
         else {

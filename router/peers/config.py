@@ -27,8 +27,8 @@ class HintsConfig(Section):
     resolve_interval_s: float = Field(5.0, gt=0)
     """How often ``peers.dns`` is resolved again for hint peers."""
     work_ttl_s: float = Field(1.0, ge=0)
-    """A peer's report of its dispatched prefill work (per replica, tokens and requests still prefilling) is added
-    to this gateway's own for at most this long after it was sent; 0 shares none."""
+    """A peer's report of its dispatched work (per replica: tokens and requests still prefilling, requests per
+    second) is added to this gateway's own for at most this long after it was sent; 0 shares none."""
 
     @field_validator("connect")
     @classmethod

@@ -1,13 +1,14 @@
 """Routing hints between gateway replicas: the prompts each one just routed, credited by the others as predicted, and
-the prefill work each has dispatched.
+the work each has dispatched.
 
 A gateway predicts a prompt's blocks on the replica it sends it to until the engine's events confirm them; without
 hints, a sibling request that reaches another gateway first misses that prediction and may be placed cold
 elsewhere. With ``peers.hints``, every gateway publishes each prediction on a ZMQ PUB socket and subscribes to its
 peers': one message ``[2, sent_at, sender, replica, keys]`` (msgpack; keys as packed little-endian uint64s). At each
-dispatch, and otherwise when it changed, it also publishes the prefill work it has in flight per replica, ``[3, sent_at, sender, [[replica,
-tokens, requests], ...]]``, which its peers add to their own when they estimate a replica's queue
-(:mod:`router.peers.work`). ``sender`` is the gateway's instance id: a gateway that hears itself (its own address
+dispatch, and otherwise when it changed, it also publishes the work it has dispatched per replica, ``[4, sent_at, sender,
+[[replica, prefill tokens, requests prefilling, requests per second], ...]]``, which its peers add to their own when
+they estimate a replica's queue and arrival rate (:mod:`router.peers.work`). A gateway of another version speaks
+another format number: the two ignore each other's reports (counted as dropped) and route on their own view. ``sender`` is the gateway's instance id: a gateway that hears itself (its own address
 among the peers found by DNS) ignores its own messages.
 
 A hint is a prediction, never a holding: the receiver credits it as predicted, for what is left of the time-to-live
@@ -47,12 +48,13 @@ from kvgate.cache_index.snapshot import pack_keys, unpack_keys
 from kvgate.router.fleet.config import DiscoveryConfig, DiscoveryPorts
 from kvgate.router.fleet.discovery.dns import DnsSource, ResolutionFailed
 from kvgate.router.peers.config import PeersConfig
+from kvgate.router.fleet.state import DispatchedWork
 from kvgate.router.peers.work import MAX_REPORTED_REPLICAS, PeerWork
 
 log = logging.getLogger(__name__)
 
 HINT_FORMAT = 2
-WORK_FORMAT = 3
+WORK_FORMAT = 4
 MAX_HINT_KEYS = 1 << 16
 """A prompt of a million tokens in 16-token blocks; more keys than this is no hint a gateway sends."""
 MAX_SENDER_CHARS = 64
@@ -94,11 +96,12 @@ class Hint(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=HINT
 
 
 class Work(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=WORK_FORMAT):
-    """A peer's dispatched prefill work: per replica, uncached prompt tokens and requests still prefilling."""
+    """A peer's dispatched work: per replica, uncached prompt tokens and requests still prefilling, and the
+    requests per second it sends there."""
 
     sent_at: float
     sender: str
-    loads: list[tuple[str, int, int]]
+    loads: list[tuple[str, int, int, float]]
 
 
 @dataclass(slots=True)
@@ -114,8 +117,8 @@ class HintStats:
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Hint | Work).decode
-OwnWork = Callable[[], dict[str, tuple[int, int]]]
-"""This gateway's dispatched prefill work: replica → (prefill tokens, requests prefilling), busy replicas only."""
+OwnWork = Callable[[], dict[str, DispatchedWork]]
+"""This gateway's dispatched work, per replica it is prefilling on or lately sends requests to."""
 
 
 class HintExchange:
@@ -215,9 +218,9 @@ class HintExchange:
             self.stats.published += 1
         self._dispatched.set()
 
-    def peer_prefill(self, replica: str) -> tuple[int, int]:
-        """The peers' dispatched prefill on ``replica``: (tokens, requests), as far as their reports still count."""
-        return self.work.prefill(replica)
+    def peer_work(self, replica: str) -> DispatchedWork:
+        """What the peers dispatched to ``replica``, as far as their reports still count."""
+        return self.work.work(replica)
 
     def apply(self, message: bytes) -> bool:
         """Take in one received message; False when it is dropped (or is this gateway's own)."""
@@ -249,7 +252,8 @@ class HintExchange:
                 or len(work.loads) > MAX_REPORTED_REPLICAS:
             self.stats.work_dropped += 1
             return False
-        loads = {replica: (tokens, prefilling) for replica, tokens, prefilling in work.loads if self.known(replica)}
+        loads = {replica: DispatchedWork(tokens, prefilling, rate)
+                 for replica, tokens, prefilling, rate in work.loads if self.known(replica)}
         if not self.work.update(work.sender, work.sent_at, loads):
             self.stats.work_dropped += 1
             return False
@@ -266,13 +270,15 @@ class HintExchange:
         return True
 
     async def _share_work(self) -> None:
-        """Publish this gateway's prefill work when it changed, and again every third of the time-to-live while
-        there is any, so peers never hold a report past it.
+        """Publish this gateway's work when its prefill changed, and again every third of the time-to-live while
+        there is any, so peers never hold a report past it (and its rates are never older than that).
 
         A dispatch wakes it at once (:meth:`publish`, called as the request is sent: the work counts it by the time
         this task runs). Two gateways that each place a long cold prompt on the replica they both see idle, a few
         milliseconds apart, is the race this closes: the tick alone leaves it open for up to ``WORK_INTERVAL_S``."""
         last: dict[str, tuple[int, int]] = {}
+        """The prefill part of the last report: rates change at every tick, prefill only at dispatches and first
+        tokens."""
         last_sent = float("-inf")
         last_checked = float("-inf")
         refresh_s = self.config.work_ttl_s / 3
@@ -285,13 +291,15 @@ class HintExchange:
             self._dispatched.clear()
             last_checked = time.monotonic()
             work = self.own_work()
+            prefill = {replica: (w.prefill_tokens, w.prefilling) for replica, w in work.items() if w.prefilling}
             now = self.clock()
-            if work == last and not (work and now - last_sent >= refresh_s):
+            if prefill == last and not (work and now - last_sent >= refresh_s):
                 continue
-            loads = [(replica, tokens, prefilling) for replica, (tokens, prefilling) in work.items()]
+            loads = [(replica, w.prefill_tokens, w.prefilling, round(w.arrival_rate_per_s, 4))
+                     for replica, w in work.items()]
             if self._send(Work(now, self.sender, loads)):
                 self.stats.work_published += 1
-                last, last_sent = work, now
+                last, last_sent = prefill, now
 
     async def _receive(self, sub: zmq.asyncio.Socket) -> None:
         while True:

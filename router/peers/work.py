@@ -1,33 +1,44 @@
-"""Dispatched prefill work that peer gateways report, per replica.
+"""Dispatched work that peer gateways report, per replica.
 
-A gateway counts its own requests still prefilling on each replica exactly (the fleet's load tickets); its peers'
-it learns only from the engine's scraped waiting queue, which misses a prefill already running and costs each queued
-request at a mean size. With ``peers.hints``, every gateway also publishes its own per-replica prefill work (tokens
-and requests) a few times a second, and each receiver adds its peers' to its own when it estimates a replica's
-queue.
+A gateway counts its own requests still prefilling on each replica exactly (the fleet's load tickets), and its own
+dispatch rate there. Its peers' it learns otherwise only from the engine: the scraped waiting queue, which misses a
+prefill already running and costs each queued request at a mean size, and the scraped finish rate, which trails the
+arrivals while a queue builds. With ``peers.hints``, every gateway also publishes its own per-replica work (prefill
+tokens, requests prefilling, dispatch rate) at each dispatch and a few times a second, and each receiver adds its
+peers' to its own when it estimates a replica's queue and the arrivals a prefill there would hold up.
 
 A peer's report replaces its previous one and counts until ``peers.hints.work_ttl_s`` after it was sent (the
 gateways' wall clocks): a peer that stops reporting (gone, partitioned, restarted under a new instance id) stops
-counting within that time, and routing falls back to the gateway's own view.
+counting within that time, and routing falls back to the gateway's own view. A reported rate is taken as sent: it
+decays with a half-life of seconds, a report counts for about one.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+from kvgate.router.fleet.state import NO_WORK, DispatchedWork
 
 MAX_REPORTED_REPLICAS = 4096
 """More replicas than this in one report is no report a gateway sends."""
 MAX_PREFILL_TOKENS = 1 << 31
 MAX_PREFILLING = 1 << 16
+MAX_ARRIVAL_RATE_PER_S = 1e6
 
 
 @dataclass(slots=True)
 class _Share:
     sent_at: float
     expires_at: float
-    by_replica: dict[str, tuple[int, int]] = field(default_factory=dict)
+    by_replica: dict[str, DispatchedWork] = field(default_factory=dict)
+
+
+def in_bounds(work: DispatchedWork) -> bool:
+    return (0 <= work.prefill_tokens < MAX_PREFILL_TOKENS and 0 <= work.prefilling < MAX_PREFILLING
+            and 0.0 <= work.arrival_rate_per_s < MAX_ARRIVAL_RATE_PER_S and math.isfinite(work.arrival_rate_per_s))
 
 
 class PeerWork:
@@ -38,31 +49,28 @@ class PeerWork:
         self.clock = clock
         self._shares: dict[str, _Share] = {}
 
-    def update(self, sender: str, sent_at: float, loads: Mapping[str, tuple[int, int]]) -> bool:
-        """Take ``sender``'s report (replica → (prefill tokens, requests prefilling)); False when it is refused:
-        past its time-to-live, from the future, older than the report in force, or out of bounds."""
+    def update(self, sender: str, sent_at: float, loads: Mapping[str, DispatchedWork]) -> bool:
+        """Take ``sender``'s report; False when it is refused: past its time-to-live, from the future, older than
+        the report in force, or out of bounds."""
         now = self.clock()
         if not (now - self.ttl_s < sent_at <= now + self.ttl_s) or len(loads) > MAX_REPORTED_REPLICAS:
             return False
         current = self._shares.get(sender)
         if current is not None and current.sent_at >= sent_at and current.expires_at > now:
             return False  # reordered or replayed: the newer report stands
-        by_replica: dict[str, tuple[int, int]] = {}
-        for replica, (tokens, prefilling) in loads.items():
-            if not (0 <= tokens < MAX_PREFILL_TOKENS and 0 <= prefilling < MAX_PREFILLING):
-                return False
-            if prefilling:
-                by_replica[replica] = (tokens, prefilling)
+        if not all(in_bounds(work) for work in loads.values()):
+            return False
+        by_replica = {replica: work for replica, work in loads.items() if work.prefilling or work.arrival_rate_per_s}
         self._shares[sender] = _Share(sent_at, sent_at + self.ttl_s, by_replica)
         return True
 
-    def prefill(self, replica: str) -> tuple[int, int]:
-        """Prefill tokens and requests the peers have in flight on ``replica``, as far as their reports still
-        count."""
+    def work(self, replica: str) -> DispatchedWork:
+        """What the peers have dispatched to ``replica``, summed, as far as their reports still count."""
         if not self._shares:
-            return 0, 0
+            return NO_WORK
         now = self.clock()
         tokens = prefilling = 0
+        rate = 0.0
         expired: list[str] = []
         for sender, share in self._shares.items():
             if share.expires_at <= now:
@@ -70,11 +78,12 @@ class PeerWork:
                 continue
             work = share.by_replica.get(replica)
             if work is not None:
-                tokens += work[0]
-                prefilling += work[1]
+                tokens += work.prefill_tokens
+                prefilling += work.prefilling
+                rate += work.arrival_rate_per_s
         for sender in expired:
             del self._shares[sender]
-        return tokens, prefilling
+        return DispatchedWork(tokens, prefilling, rate)
 
     def peers(self) -> int:
         """Peers whose report still counts."""

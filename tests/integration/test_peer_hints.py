@@ -25,6 +25,7 @@ from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.snapshot import pack_keys
 from kvgate.loadgen.bench import free_port_block
+from kvgate.router.fleet.state import DispatchedWork
 from kvgate.router.peers import hints as hints_module
 from kvgate.router.peers.config import PeersConfig
 from kvgate.router.peers.hints import HINT_FORMAT, Hint, HintExchange, curve_keys
@@ -352,7 +353,7 @@ async def test_a_dispatch_reports_the_work_at_once(monkeypatch: pytest.MonkeyPat
     each see idle."""
     monkeypatch.setattr(hints_module, "WORK_INTERVAL_S", 3600.0)
     bound = endpoint()
-    work: dict[str, tuple[int, int]] = {}
+    work: dict[str, DispatchedWork] = {}
 
     def peers(**hints: object) -> PeersConfig:
         return PeersConfig.model_validate({"hints": hints})
@@ -365,8 +366,8 @@ async def test_a_dispatch_reports_the_work_at_once(monkeypatch: pytest.MonkeyPat
     receiver.start()
     try:
         deadline = time.monotonic() + 10
-        work["sim-0"] = (4096, 1)
-        while receiver.peer_prefill("sim-0") != (4096, 1):  # the first reports may go out before the SUB joined
+        work["sim-0"] = DispatchedWork(4096, 1, 2.5)
+        while receiver.peer_work("sim-0") != (4096, 1, 2.5):  # the first reports may go out before the SUB joined
             assert time.monotonic() < deadline, "no work report without the tick"
             sender.publish("sim-0", [1, 2, 3])
             await asyncio.sleep(0.05)

@@ -13,7 +13,7 @@ from aiohttp import web
 from kvgate.cache_index.match import PrefixMatch
 from kvgate.router.config import KvgateConfig, parse_config
 from kvgate.router.fleet.config import ReplicaConfig
-from kvgate.router.fleet.state import Fleet, FleetListener, Replica
+from kvgate.router.fleet.state import NO_WORK, DispatchedWork, Fleet, FleetListener, Replica
 from kvgate.router.upstream.health import HealthState
 from kvgate.router.upstream.scrape import ScrapedLoad
 from tests.support import wait_until_async
@@ -116,6 +116,28 @@ async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter
         quiet.dispatch("b", 10).finish(ok=True)
         clock.now += 0.5
     assert quiet.view("b", PrefixMatch()).arrival_rate_per_s == pytest.approx(2.0, rel=0.15)
+
+
+async def test_peers_work_adds_to_the_queue_and_the_arrival_rate(session: aiohttp.ClientSession) -> None:
+    """Peer gateways' reports add to this gateway's own load: the engine's finish rate trails the arrivals while a
+    queue builds, and an arrival rate too low prices a long prefill on a busy replica as cheap for its neighbours."""
+    clock = FakeClock()
+    fleet = Fleet(config("a", "b"), session, clock=clock)
+    for _ in range(100):  # this gateway sends 1 request/s
+        fleet.dispatch("a", 10).finish(ok=True)
+        clock.now += 1.0
+    ticket = fleet.dispatch("a", 500)
+    own = fleet.dispatched_work()
+    assert list(own) == ["a"] and own["a"][:2] == (500, 1)
+    assert own["a"].arrival_rate_per_s == pytest.approx(1.0, rel=0.1)
+    fleet.peer_work = lambda name: DispatchedWork(3000, 2, 2.0) if name == "a" else NO_WORK
+    view = fleet.view("a", PrefixMatch())
+    assert (view.in_flight_prefill_tokens, view.in_flight_prefilling) == (3500, 3)
+    assert view.arrival_rate_per_s == pytest.approx(3.0, rel=0.05)
+    assert fleet.arrival_rate_per_s(fleet.replicas["a"]) == view.arrival_rate_per_s  # what /admin/replicas shows
+    ticket.first_token()
+    assert fleet.dispatched_work()["a"][:2] == (0, 0)
+    assert fleet.view("b", PrefixMatch()).arrival_rate_per_s == 0.0
 
 
 async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> None:
