@@ -135,7 +135,8 @@ class ReplicationConfig(Section):
     max_replicas_per_prefix: int = Field(4, ge=1)
     """Most replicas one hot prefix is kept warm on."""
     warmup_budget_tokens_per_s: float = Field(200_000.0, ge=0)
-    """Global budget of warm-up prefill work."""
+    """The fleet's budget of warm-up prefill work: gateways that share work reports (``peers.hints``) each plan
+    within an equal share of it."""
     min_prefix_tokens: int = Field(256, ge=0)
     """Prefixes shorter than this are never replicated (recompute is cheap)."""
     warmup_timeout_s: float = Field(30.0, gt=0)

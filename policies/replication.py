@@ -63,8 +63,8 @@ class _Prefix:
     last_used_s: float
     warmed: set[str] = field(default_factory=set)
     """Replicas this planner warmed for the prefix, reported by :meth:`HotPrefixTracker.retire` when it cools."""
-    pending: tuple[str, float] | None = None
-    """A warm-up in flight: (target, deadline)."""
+    pending: tuple[str, float, bool] | None = None
+    """A warm-up in flight: (target, deadline, whether this planner started it or a peer gateway did)."""
 
 
 class HotPrefixTracker:
@@ -84,9 +84,13 @@ class HotPrefixTracker:
       bottleneck: requests would rather recompute elsewhere than wait);
     * routable holders (as the prefix index reports them) < ``max_replicas_per_prefix``: a draining holder keeps
       its cache in the index (a transfer may pull it) but serves none of the prefix's traffic;
-    * no warm-up of this prefix is in flight (until its target shows up as a holder, the router reports it
-      finished, or ``warmup_timeout_s`` passes);
-    * the global token bucket (``warmup_budget_tokens_per_s``, one second of burst) holds the prefix's tokens.
+    * no warm-up of this prefix is in flight, from this planner or a peer gateway's (:meth:`peer_warmup`), until its
+      target shows up as a holder, the router reports it finished, or ``warmup_timeout_s`` passes;
+    * the token bucket holds the prefix's tokens: ``warmup_budget_tokens_per_s`` (one second of burst) is the
+      fleet's, so ``gateways`` planners each take their share.
+
+    Within one planning round, a target's queue grows by each warm-up planned onto it, so one idle replica is not
+    handed every hot prefix at once.
 
     ``via="transfer"`` when a KV connector is configured, the prefix is at least ``transfer.min_tokens`` long, and
     moving it costs less than prefilling it on the target (setup + bytes/bandwidth + one engine step versus
@@ -127,10 +131,20 @@ class HotPrefixTracker:
         if entry.pending is not None and entry.pending[0] in entry.holders:
             entry.pending = None
 
+    def peer_warmup(self, prefix_key: PrefixKey, target: str, now: float) -> bool:
+        """A peer gateway started warming ``target`` with this prefix: plan no other warm-up of it until the target
+        holds it or ``warmup_timeout_s`` passes. False when this planner does not track the prefix, or already has
+        a warm-up of it in flight."""
+        entry = self._prefixes.get(prefix_key)
+        if entry is None or target in entry.holders or (entry.pending is not None and now < entry.pending[1]):
+            return False
+        entry.pending = (target, now + self.config.warmup_timeout_s, False)
+        return True
+
     def warmup_finished(self, prefix_key: PrefixKey, target: str, ok: bool) -> None:
         """The router's report on a warm-up it ran; a failed one frees its slot for another target."""
         entry = self._prefixes.get(prefix_key)
-        if entry is None or entry.pending is None or entry.pending[0] != target:
+        if entry is None or entry.pending is None or entry.pending[0] != target or not entry.pending[2]:
             return
         entry.pending = None
         if not ok:
@@ -174,11 +188,11 @@ class HotPrefixTracker:
                 del self._prefixes[key]
         return retired
 
-    def plan(self, views: Sequence[ReplicaView], cost_model: CostModel, now: float) -> list[Warmup]:
-        """Warm-ups to start now, hottest prefix first."""
+    def plan(self, views: Sequence[ReplicaView], cost_model: CostModel, now: float, gateways: int = 1) -> list[Warmup]:
+        """Warm-ups to start now, hottest prefix first; ``gateways`` planners share the budget."""
         if not self.config.enabled:
             return []
-        self._refill(now)
+        self._refill(now, max(gateways, 1))
         queues = {v.name: cost_model.queue_delay_ms(v) for v in views if v.healthy}
         by_name = {v.name: v for v in views}
         hot = []
@@ -192,6 +206,7 @@ class HotPrefixTracker:
             warmup = self._plan_one(key, entry, heat, queues, by_name, cost_model, now)
             if warmup is not None:
                 warmups.append(warmup)
+                queues[warmup.target] += self._target_ms(warmup, cost_model)
         return warmups
 
     def _plan_one(
@@ -205,11 +220,13 @@ class HotPrefixTracker:
         now: float,
     ) -> Warmup | None:
         if entry.pending is not None:
-            if now < entry.pending[1]:
+            target, deadline, own = entry.pending
+            if now < deadline:
                 return None
-            entry.warmed.discard(entry.pending[0])
             entry.pending = None
-            self.counts[("failed", "timeout")] += 1
+            if own:
+                entry.warmed.discard(target)
+                self.counts[("failed", "timeout")] += 1
         holders = [h for h in entry.holders if h in queues]
         if not holders:
             return None
@@ -233,24 +250,36 @@ class HotPrefixTracker:
         # alone, and decode replicas never run one
         via = self._via(entry.tokens, cost_model) if views[source].role == "both" else "prefill"
         entry.warmed.add(target)
-        entry.pending = (target, now + self.config.warmup_timeout_s)
+        entry.pending = (target, now + self.config.warmup_timeout_s, True)
         self.counts[("started", "hot-prefix")] += 1
         return Warmup(key, entry.tokens, target, via, source, "hot-prefix", heat)
 
-    @staticmethod
-    def _via(tokens: int, cost_model: CostModel) -> Literal["prefill", "transfer"]:
+    @classmethod
+    def _via(cls, tokens: int, cost_model: CostModel) -> Literal["prefill", "transfer"]:
         transfer = cost_model.transfer
         if not cost_model.transfer_enabled or tokens < transfer.min_tokens:
             return "prefill"
-        moved = cost_model.wire_ms(tokens) + cost_model.prefill.fixed_ms
-        return "transfer" if moved < cost_model.prefill_ms(tokens) else "prefill"
+        return "transfer" if cls._pull_ms(tokens, cost_model) < cost_model.prefill_ms(tokens) else "prefill"
+
+    @classmethod
+    def _target_ms(cls, warmup: Warmup, cost_model: CostModel) -> float:
+        """The target's time a warm-up takes."""
+        if warmup.via == "transfer":
+            return cls._pull_ms(warmup.prefix_tokens, cost_model)
+        return cost_model.prefill_ms(warmup.prefix_tokens)
+
+    @staticmethod
+    def _pull_ms(tokens: int, cost_model: CostModel) -> float:
+        """Pulling ``tokens`` of KV onto the target, and its one engine step."""
+        return cost_model.wire_ms(tokens) + cost_model.prefill.fixed_ms
 
     def _heat(self, entry: _Prefix, cost_model: CostModel, now: float) -> float:
         saved = cost_model.prefill_ms(entry.tokens) - cost_model.prefill.fixed_ms
         return entry.rate.per_s(now) * saved
 
-    def _refill(self, now: float) -> None:
-        capacity = self.config.warmup_budget_tokens_per_s
+    def _refill(self, now: float, gateways: int) -> None:
+        capacity = self.config.warmup_budget_tokens_per_s / gateways
+        self._budget_tokens = min(self._budget_tokens, capacity)
         if self._budget_updated is not None and now > self._budget_updated:
             self._budget_tokens = min(capacity, self._budget_tokens + capacity * (now - self._budget_updated))
         self._budget_updated = now if self._budget_updated is None else max(now, self._budget_updated)

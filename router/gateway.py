@@ -141,10 +141,10 @@ class Gateway:
         self.hints = self._hint_exchange(config)
         self._hints_settings = hint_settings(config)
         self._hints_rebinding = asyncio.Lock()
-        self._wire_hints(config)
         self.transfers = TransferRunner(self.proxy, self.metrics, self.holder)
         self.replication = Replication(self.router, self.fleet, self.index, self.proxy, self.transfers, self.metrics,
                                        self._spawn)
+        self._wire_hints(config)
         self.handoffs = Handoffs({"vllm": VllmHandoff(self.transfers),
                                   "sglang": SglangHandoff(self.proxy, self.transfers, self.holder)})
         self.forwarder = Forwarder(self.proxy, self.fleet, self.router, self.replication, self.handoffs)
@@ -196,10 +196,16 @@ class Gateway:
                             peer_token(config.server), self.instance, self.fleet.dispatched_work)
 
     def _wire_hints(self, config: KvgateConfig) -> None:
-        """Routing publishes its predictions, and the fleet adds the peers' dispatched work, through the exchange in
-        force, as far as ``config`` turns them on."""
-        self.router.on_predicted = self.hints.publish if config.peers.hints.bind else None
-        self.fleet.peer_work = self.hints.peer_work if config.peers.hints.work_ttl_s > 0 else None
+        """Routing publishes its predictions and replication its warm-ups, and the fleet adds the peers' dispatched
+        work, through the exchange in force, as far as ``config`` turns them on. Replication shares its budget with
+        the peers whose work reports count."""
+        hints = self.hints
+        self.router.on_predicted = hints.publish if config.peers.hints.bind else None
+        self.replication.on_started = hints.publish_warming if config.peers.hints.bind else None
+        hints.on_peer_warming = self.replication.peer_started
+        sharing = config.peers.hints.work_ttl_s > 0
+        self.fleet.peer_work = hints.peer_work if sharing else None
+        self.replication.gateways = (lambda: 1 + hints.work.peers()) if sharing else (lambda: 1)
 
     async def _rebind_hints(self, config: KvgateConfig) -> None:
         """A reload that changed the hint exchange (endpoints, peers' DNS name, token): the old one's sockets close

@@ -230,16 +230,16 @@ INDEX_SERIES = (
     Series("kvgate_index_replicas", "replicas", "gauge", "Replicas the index tracks."),
 )
 HINT_SERIES = (
-    Series("kvgate_peer_hints_published", "published", "counter", "Routing hints published to peer gateways."),
-    Series("kvgate_peer_hints_applied", "applied", "counter", "Peer gateways' routing hints credited as predicted."),
+    Series("kvgate_peer_hints_published", "published", "counter", "Routing hints (predictions, warm-ups started) published to peer gateways."),
+    Series("kvgate_peer_hints_applied", "applied", "counter", "Peer gateways' routing hints taken in."),
     Series("kvgate_peer_hints_dropped", "dropped", "counter",
            "Peer gateways' routing hints dropped: malformed, past their TTL, or naming an unknown replica."),
     Series("kvgate_peer_work_published", "work_published", "counter",
-           "Reports of this gateway's dispatched prefill work published to peer gateways."),
+           "Reports of this gateway's dispatched work published to peer gateways."),
     Series("kvgate_peer_work_applied", "work_applied", "counter",
-           "Peer gateways' prefill work reports taken in (each counts until peers.hints.work_ttl_s)."),
+           "Peer gateways' work reports taken in (each counts until peers.hints.work_ttl_s)."),
     Series("kvgate_peer_work_dropped", "work_dropped", "counter",
-           "Peer gateways' prefill work reports refused: past their TTL, out of order, or out of bounds."),
+           "Peer gateways' work reports refused: past their TTL, out of order, or out of bounds."),
 )
 INGEST_SERIES = (
     Series("kvgate_events_applied", "events_applied", "counter", "KV events applied to the index."),

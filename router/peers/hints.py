@@ -8,7 +8,10 @@ peers': one message ``[2, sent_at, sender, replica, keys]`` (msgpack; keys as pa
 dispatch, and otherwise when it changed, it also publishes the work it has dispatched per replica, ``[4, sent_at, sender,
 [[replica, prefill tokens, requests prefilling, requests per second], ...]]``, which its peers add to their own when
 they estimate a replica's queue and arrival rate (:mod:`router.peers.work`). A gateway of another version speaks
-another format number: the two ignore each other's reports (counted as dropped) and route on their own view. ``sender`` is the gateway's instance id: a gateway that hears itself (its own address
+another format number: the two ignore each other's reports (counted as dropped) and route on their own view. When it
+starts warming a hot prefix on another replica (hot-prefix replication), it says so, ``[5, sent_at, sender, target,
+prefix key]``, and its peers plan no warm-up of that prefix until the target holds it (or the warm-up times out):
+each gateway plans replication from its own traffic, and without this three gateways warm one prefix three times. ``sender`` is the gateway's instance id: a gateway that hears itself (its own address
 among the peers found by DNS) ignores its own messages.
 
 A hint is a prediction, never a holding: the receiver credits it as predicted, for what is left of the time-to-live
@@ -55,6 +58,8 @@ log = logging.getLogger(__name__)
 
 HINT_FORMAT = 2
 WORK_FORMAT = 4
+WARMING_FORMAT = 5
+MAX_PREFIX_KEY = (1 << 64) - 1
 MAX_HINT_KEYS = 1 << 16
 """A prompt of a million tokens in 16-token blocks; more keys than this is no hint a gateway sends."""
 MAX_SENDER_CHARS = 64
@@ -104,6 +109,15 @@ class Work(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=WORK
     loads: list[tuple[str, int, int, float]]
 
 
+class Warming(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=WARMING_FORMAT):
+    """A peer started warming ``target`` with the hot prefix whose last block's chain key is ``prefix_key``."""
+
+    sent_at: float
+    sender: str
+    target: str
+    prefix_key: int
+
+
 @dataclass(slots=True)
 class HintStats:
     published: int = 0
@@ -116,7 +130,7 @@ class HintStats:
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Hint | Work).decode
+_decode = msgspec.msgpack.Decoder(Hint | Work | Warming).decode
 OwnWork = Callable[[], dict[str, DispatchedWork]]
 """This gateway's dispatched work, per replica it is prefilling on or lately sends requests to."""
 
@@ -145,6 +159,8 @@ class HintExchange:
         self._resolved: set[str] = set()
         """Peers' endpoints found by DNS that the subscriber is connected to."""
         self._tasks: list[asyncio.Task[None]] = []
+        self.on_peer_warming: Callable[[int, str], None] | None = None
+        """Told of each warm-up a peer started (prefix key, target): replication plans none of that prefix."""
         self._dispatched = asyncio.Event()
         """Set by :meth:`publish`: the work just grew, report it now rather than at the next tick."""
 
@@ -218,6 +234,12 @@ class HintExchange:
             self.stats.published += 1
         self._dispatched.set()
 
+    def publish_warming(self, prefix_key: int, target: str) -> None:
+        """This gateway just started warming ``target`` with a hot prefix; never blocks."""
+        if self._pub is not None and 0 <= prefix_key <= MAX_PREFIX_KEY \
+                and self._send(Warming(self.clock(), self.sender, target, prefix_key)):
+            self.stats.published += 1
+
     def peer_work(self, replica: str) -> DispatchedWork:
         """What the peers dispatched to ``replica``, as far as their reports still count."""
         return self.work.work(replica)
@@ -225,11 +247,13 @@ class HintExchange:
     def apply(self, message: bytes) -> bool:
         """Take in one received message; False when it is dropped (or is this gateway's own)."""
         try:
-            decoded: Hint | Work | None = _decode(message)
+            decoded: Hint | Work | Warming | None = _decode(message)
         except (msgspec.DecodeError, msgspec.ValidationError):
             decoded = None
         if isinstance(decoded, Work):
             return self._apply_work(decoded)
+        if isinstance(decoded, Warming):
+            return self._apply_warming(decoded)
         hint = decoded
         if hint is not None and hint.sender == self.sender:
             return False
@@ -242,6 +266,19 @@ class HintExchange:
             self.stats.dropped += 1
             return False
         self.index.predict(hint.replica, unpack_keys(hint.keys), ttl_s=left)
+        self.stats.applied += 1
+        return True
+
+    def _apply_warming(self, warming: Warming) -> bool:
+        if warming.sender == self.sender:
+            return False
+        age = self.clock() - warming.sent_at
+        if not (0 <= warming.prefix_key <= MAX_PREFIX_KEY and self.known(warming.target)
+                and -self.index.predicted_ttl_s < age < self.index.predicted_ttl_s):
+            self.stats.dropped += 1
+            return False
+        if self.on_peer_warming is not None:
+            self.on_peer_warming(warming.prefix_key, warming.target)
         self.stats.applied += 1
         return True
 
@@ -260,7 +297,7 @@ class HintExchange:
         self.stats.work_applied += 1
         return True
 
-    def _send(self, message: Hint | Work) -> bool:
+    def _send(self, message: Hint | Work | Warming) -> bool:
         if self._pub is None:
             return False
         try:

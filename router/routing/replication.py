@@ -84,6 +84,10 @@ class Replication:
         self.transfers = transfers
         self.metrics = metrics
         self.spawn = spawn
+        self.on_started: Callable[[int, str], None] | None = None
+        """Told of each warm-up this gateway starts (prefix key, target), for its peers (``peers.hints``)."""
+        self.gateways: Callable[[], int] = lambda: 1
+        """Gateways planning warm-ups for this fleet, this one included: they share the warm-up budget."""
         self._warm_prompts: OrderedDict[Hashable, WarmPrompt] = OrderedDict()
 
     def record(self, routed: Routed) -> None:
@@ -120,13 +124,19 @@ class Replication:
             routing.margins = routing.hot.cache_margins(self.index.holds, routing.cost_model, now)
             views = [self.router.with_capacity(self.fleet.view(name, PrefixMatch()), routing)
                      for name in self.fleet.replicas]
-            for warmup in routing.hot.plan(views, routing.cost_model, now):
+            for warmup in routing.hot.plan(views, routing.cost_model, now, self.gateways()):
                 prompt = self._warm_prompts.get(warmup.prefix_key)
                 if prompt is None:
                     routing.hot.warmup_finished(warmup.prefix_key, warmup.target, ok=False)
                     continue
                 planned.append(PlannedWarmup(warmup, prompt, routing))
         return planned, retired
+
+    def peer_started(self, prefix_key: int, target: str) -> None:
+        """A peer gateway started warming ``target`` with this prefix: plan no warm-up of it meanwhile."""
+        now = time.monotonic()
+        for routing in self.router.model_routings():
+            routing.hot.peer_warmup(prefix_key, target, now)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Warm-ups started / failed / skipped and replicas retired, by reason, summed over models (for metrics)."""
@@ -150,6 +160,9 @@ class Replication:
                 log.info("replication retired", extra={"fields": {
                     "prefix": done.prefix_key, "replicas": sorted(done.replicas), "reason": done.reason}})
             for item in planned:
+                key = item.warmup.prefix_key
+                if self.on_started is not None and isinstance(key, int):
+                    self.on_started(key, item.warmup.target)
                 self.spawn(self.warm(item))
 
     async def warm(self, item: PlannedWarmup) -> None:

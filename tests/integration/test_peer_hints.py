@@ -347,21 +347,26 @@ def test_a_reload_rebinds_the_hint_exchange(sim: Sim, workdir: Path) -> None:
         a.stop()
 
 
-async def test_a_dispatch_reports_the_work_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two exchanges in this process over real ZMQ, the periodic tick set to an hour: a dispatch (``publish``) still
-    gets the sender's prefill work to its peer, so two gateways do not both place a long prompt on the replica they
-    each see idle."""
-    monkeypatch.setattr(hints_module, "WORK_INTERVAL_S", 3600.0)
+def linked_exchanges(own_work: Callable[[], dict[str, DispatchedWork]] = dict) -> tuple[HintExchange, HintExchange]:
+    """A publishing and a subscribing exchange in this process, over real ZMQ (not started)."""
     bound = endpoint()
-    work: dict[str, DispatchedWork] = {}
 
     def peers(**hints: object) -> PeersConfig:
         return PeersConfig.model_validate({"hints": hints})
 
     sender = HintExchange(peers(bind=bound), PrefixIndex(1000, TTL_S), lambda name: True, PEER_TOKEN, "sender",
-                          own_work=lambda: dict(work))
+                          own_work=own_work)
     receiver = HintExchange(peers(connect=[bound]), PrefixIndex(1000, TTL_S), lambda name: True, PEER_TOKEN,
                             "receiver")
+    return sender, receiver
+
+
+async def test_a_dispatch_reports_the_work_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The periodic tick set to an hour: a dispatch (``publish``) still gets the sender's prefill work to its peer,
+    so two gateways do not both place a long prompt on the replica they each see idle."""
+    monkeypatch.setattr(hints_module, "WORK_INTERVAL_S", 3600.0)
+    work: dict[str, DispatchedWork] = {}
+    sender, receiver = linked_exchanges(lambda: dict(work))
     sender.start()
     receiver.start()
     try:
@@ -371,6 +376,24 @@ async def test_a_dispatch_reports_the_work_at_once(monkeypatch: pytest.MonkeyPat
             assert time.monotonic() < deadline, "no work report without the tick"
             sender.publish("sim-0", [1, 2, 3])
             await asyncio.sleep(0.05)
+    finally:
+        await sender.stop()
+        await receiver.stop()
+
+
+async def test_a_started_warmup_reaches_the_peers_replication() -> None:
+    sender, receiver = linked_exchanges()
+    heard: list[tuple[int, str]] = []
+    receiver.on_peer_warming = lambda key, target: heard.append((key, target))
+    sender.start()
+    receiver.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not heard:  # the first messages may go out before the SUB joined
+            assert time.monotonic() < deadline, "the warm-up never reached the peer"
+            sender.publish_warming(2277145186080612870, "sim-3")
+            await asyncio.sleep(0.05)
+        assert heard[0] == (2277145186080612870, "sim-3")
     finally:
         await sender.stop()
         await receiver.stop()

@@ -12,7 +12,7 @@ from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.snapshot import pack_keys
 from kvgate.router.config import parse_config
 from kvgate.router.fleet.state import NO_WORK, DispatchedWork
-from kvgate.router.peers.hints import WORK_FORMAT, Hint, HintExchange, Work
+from kvgate.router.peers.hints import WARMING_FORMAT, WORK_FORMAT, Hint, HintExchange, Warming, Work
 from kvgate.router.peers.work import MAX_PREFILL_TOKENS, PeerWork
 
 
@@ -111,3 +111,19 @@ def test_a_hint_from_oneself_is_not_credited_again() -> None:
     keys = pack_keys([1, 2, 3])
     assert not hints.apply(encode(Hint(clock.now, "me", "r0", keys)))
     assert hints.stats.dropped == 0 and hints.stats.applied == 0
+
+
+def test_a_peers_warming_reaches_replication_when_it_is_fresh_and_names_a_known_replica() -> None:
+    clock = Clock()
+    hints = exchange(clock)
+    heard: list[tuple[int, str]] = []
+    hints.on_peer_warming = lambda key, target: heard.append((key, target))
+    key = (1 << 64) - 1
+    assert hints.apply(encode(Warming(clock.now, "peer", "r0", key)))
+    assert not hints.apply(encode(Warming(clock.now, "me", "r0", key)))  # its own
+    assert not hints.apply(encode(Warming(clock.now, "peer", "elsewhere", key)))
+    assert not hints.apply(encode(Warming(clock.now - 3, "peer", "r0", key)))  # older than the predicted TTL (2 s)
+    assert not hints.apply(encode(Warming(clock.now, "peer", "r0", -1)))
+    assert not hints.apply(msgspec.msgpack.encode([WARMING_FORMAT, clock.now, "peer", "r0", "p"]))
+    assert heard == [(key, "r0")]
+    assert hints.stats.applied == 1 and hints.stats.dropped == 4

@@ -166,3 +166,38 @@ def test_warmed_replica_evicted_while_hot_can_be_warmed_again() -> None:
     tracker.record("p", PREFIX, {"a", "b"}, now + 1)  # confirmed
     tracker.record("p", PREFIX, {"a"}, now + 2)  # engine LRU dropped it again
     assert [w.target for w in tracker.plan(BUSY_HOLDER, MODEL, now + 2)] == ["b"]
+
+
+def test_a_peers_warmup_holds_the_prefix_until_its_target_holds_it_or_it_times_out() -> None:
+    """Each gateway plans from its own traffic: without a peer's word, three gateways warm one prefix three times."""
+    tracker = HotPrefixTracker(ReplicationConfig(warmup_timeout_s=5, half_life_s=60))
+    assert not tracker.peer_warmup("p", "b", 0.0)  # a prefix this gateway does not track
+    now = feed(tracker, "p", rate=5, seconds=20, holders={"a"})
+    assert tracker.peer_warmup("p", "b", now)
+    assert tracker.plan(BUSY_HOLDER, MODEL, now + 1) == []
+    tracker.warmup_finished("p", "b", ok=False)  # not this gateway's warm-up: its report changes nothing
+    assert tracker.plan(BUSY_HOLDER, MODEL, now + 2) == []
+    assert [w.target for w in tracker.plan(BUSY_HOLDER, MODEL, now + 6)] == ["b"]  # the peer's timed out
+    assert tracker.counts[("failed", "timeout")] == 0 and tracker.counts[("failed", "reported")] == 0
+    assert not tracker.peer_warmup("p", "c", now + 6)  # this gateway's own warm-up is in flight
+    tracker.record("p", PREFIX, {"a", "b"}, now + 7)
+    assert tracker.peer_warmup("p", "c", now + 7)
+    tracker.record("p", PREFIX, {"a", "b", "c"}, now + 8)  # the peer's target holds it: planning resumes
+    assert [w.target for w in tracker.plan([view("a", 10), view("b", 10), view("c", 10), view("d")], MODEL, now + 8)] \
+        == ["d"]
+
+
+def test_one_round_does_not_hand_one_idle_replica_every_hot_prefix() -> None:
+    tracker = HotPrefixTracker(ReplicationConfig())
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    feed(tracker, "q", rate=2, seconds=20, holders={"a"}, start=0.1)
+    fleet = [view("a", queued=20), view("b"), view("c", queued=1)]
+    # b takes the first prefix's 300 ms prefill; c's one queued request (55 ms) is then the shorter wait.
+    assert sorted(w.target for w in tracker.plan(fleet, MODEL, now + 0.1)) == ["b", "c"]
+
+
+@pytest.mark.parametrize("gateways, planned", [(1, 1), (3, 0)])
+def test_gateways_share_the_fleets_warmup_budget(gateways: int, planned: int) -> None:
+    tracker = HotPrefixTracker(ReplicationConfig(warmup_budget_tokens_per_s=20_000))
+    now = feed(tracker, "p", rate=2, seconds=20, holders={"a"})
+    assert len(tracker.plan(BUSY_HOLDER, MODEL, now, gateways=gateways)) == planned  # a third: 6,667 < 8,000
