@@ -230,7 +230,8 @@ INDEX_SERIES = (
     Series("kvgate_index_replicas", "replicas", "gauge", "Replicas the index tracks."),
 )
 HINT_SERIES = (
-    Series("kvgate_peer_hints_published", "published", "counter", "Routing hints (predictions, warm-ups started) published to peer gateways."),
+    Series("kvgate_peer_hints_published", "published", "counter",
+           "Routing hints (predictions, warm-ups started) published to peer gateways."),
     Series("kvgate_peer_hints_applied", "applied", "counter", "Peer gateways' routing hints taken in."),
     Series("kvgate_peer_hints_dropped", "dropped", "counter",
            "Peer gateways' routing hints dropped: malformed, past their TTL, or naming an unknown replica."),

@@ -4,15 +4,21 @@ the work each has dispatched.
 A gateway predicts a prompt's blocks on the replica it sends it to until the engine's events confirm them; without
 hints, a sibling request that reaches another gateway first misses that prediction and may be placed cold
 elsewhere. With ``peers.hints``, every gateway publishes each prediction on a ZMQ PUB socket and subscribes to its
-peers': one message ``[2, sent_at, sender, replica, keys]`` (msgpack; keys as packed little-endian uint64s). At each
-dispatch, and otherwise when it changed, it also publishes the work it has dispatched per replica, ``[4, sent_at, sender,
-[[replica, prefill tokens, requests prefilling, requests per second], ...]]``, which its peers add to their own when
-they estimate a replica's queue and arrival rate (:mod:`router.peers.work`). A gateway of another version speaks
-another format number: the two ignore each other's reports (counted as dropped) and route on their own view. When it
-starts warming a hot prefix on another replica (hot-prefix replication), it says so, ``[5, sent_at, sender, target,
-prefix key]``, and its peers plan no warm-up of that prefix until the target holds it (or the warm-up times out):
-each gateway plans replication from its own traffic, and without this three gateways warm one prefix three times. ``sender`` is the gateway's instance id: a gateway that hears itself (its own address
-among the peers found by DNS) ignores its own messages.
+peers': one message ``[2, sent_at, sender, replica, keys]`` (msgpack; keys as packed little-endian uint64s).
+
+At each dispatch, and otherwise when it changed, it also publishes the work it has dispatched per replica,
+``[4, sent_at, sender, [[replica, prefill tokens, requests prefilling, requests per second], ...]]``, which its peers
+add to their own when they estimate a replica's queue and arrival rate (:mod:`router.peers.work`). A gateway of
+another version speaks another format number: the two ignore each other's reports (counted as dropped) and route on
+their own view.
+
+When it starts warming a hot prefix on another replica (hot-prefix replication), it says so, ``[5, sent_at, sender,
+target, prefix key]``, and its peers plan no warm-up of that prefix until the target holds it (or the warm-up times
+out): each gateway plans replication from its own traffic, and without this three gateways warm one prefix three
+times.
+
+``sender`` is the gateway's instance id: a gateway that hears itself (its own address among the peers found by DNS)
+ignores its own messages.
 
 A hint is a prediction, never a holding: the receiver credits it as predicted, for what is left of the time-to-live
 (``index.predicted_ttl_s``) since it was sent (the gateways' wall clocks, kept in step by NTP), and drops one that
