@@ -9,8 +9,9 @@ peers' to its own when it estimates a replica's queue and the arrivals a prefill
 
 A peer's report replaces its previous one and counts until ``peers.hints.work_ttl_s`` after it was sent (the
 gateways' wall clocks): a peer that stops reporting (gone, partitioned, restarted under a new instance id) stops
-counting within that time, and routing falls back to the gateway's own view. A reported rate is taken as sent: it
-decays with a half-life of seconds, a report counts for about one.
+counting within that time, and routing falls back to the gateway's own view. A reported rate is used as sent, not
+decayed further: rates move with a half-life of 10 s (``ARRIVAL_RATE_HALF_LIFE_S``), and a report counts for at most
+``work_ttl_s`` (1 s by default).
 """
 
 from __future__ import annotations
