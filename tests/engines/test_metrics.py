@@ -104,10 +104,15 @@ def test_calibration_converges_to_the_engines_ttft(
     engine = [engine_line[0] + engine_line[1] * n for n in sizes]
     client = [client_line[0] + client_line[1] * n for n in sizes]
 
+    # A cost model's fixed cost is never negative. When the client's line crosses zero above 0 tokens (a negative
+    # intercept: short prompts cost less per token on this engine), the best line kvgate can fit through the
+    # samples passes above it at the short end, by up to that intercept: the band's upper edge allows for it.
+    headroom = max(0.0, -client_line[0])
+
     def outside(fixed_ms: float, per_token_ms: float) -> float:
-        """How far a cost model's line falls outside the band from 0.8x the engine's line to 1.2x the client's, as
-        the largest relative distance at the three sizes (0 inside the band)."""
-        return max(max(0.8 * low - ms, ms - 1.2 * high, 0.0) / low
+        """How far a cost model's line falls outside the band from 0.8x the engine's line to 1.2x the client's (plus
+        ``headroom``), as the largest relative distance at the three sizes (0 inside the band)."""
+        return max(max(0.8 * low - ms, ms - 1.2 * high - headroom, 0.0) / low
                    for low, high, ms in zip(engine, client, (fixed_ms + per_token_ms * n for n in sizes)))
 
     initial, fitted = outside(start["fixed_ms"], start["per_token_ms"]), outside(fixed, per_token)
