@@ -39,6 +39,11 @@ class ServerConfig(Section):
     """A request's line and headers must arrive within this long of the connection opening (or, on a kept-alive
     connection, of the request's first byte), else the connection is closed: clients that send headers a byte at a
     time (slowloris) cannot hold connections. Read at startup."""
+    max_header_bytes: int = Field(65536, ge=1024)
+    """Bytes of a request's line and headers together; beyond, the answer is 431 and the connection is closed.
+    Read at startup."""
+    max_headers: int = Field(100, ge=8)
+    """Header lines of a request; more is a 431 and the connection is closed. Read at startup."""
 
 
 class LimitsConfig(Section):

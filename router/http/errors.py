@@ -27,6 +27,7 @@ ERROR_TYPES: dict[int, str] = {
     408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     502: "upstream_error",
@@ -57,14 +58,15 @@ class ApiError(Exception):
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
+    def encoded(self) -> bytes:
+        return msgspec.json.encode(self.body())
+
     def response(self, headers: dict[str, str] | None = None) -> Response:
-        return Response(
-            msgspec.json.encode(self.body()), status_code=self.status, headers=headers, media_type="application/json"
-        )
+        return Response(self.encoded(), status_code=self.status, headers=headers, media_type="application/json")
 
     def sse_event(self) -> bytes:
         """The error as the last events of an SSE stream that already started (OpenAI's streaming error form)."""
-        return b"data: " + msgspec.json.encode(self.body()) + b"\n\ndata: [DONE]\n\n"
+        return b"data: " + self.encoded() + b"\n\ndata: [DONE]\n\n"
 
 
 async def _api_error(_: Request, exc: Exception) -> Response:

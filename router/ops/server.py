@@ -1,9 +1,10 @@
 """``kvgate serve``: load and validate the policy file, then run the gateway under uvicorn.
 
-uvloop + httptools with a deadline on request headers (:mod:`router.http.protocol`), no access log (the gateway
-writes its own one line per request), and uvicorn's graceful shutdown: on SIGTERM/SIGINT it stops accepting, lets
-in-flight requests and streams finish for up to ``server.shutdown_grace_s``, then cancels what is left. A bad policy
-file stops the process with exit code 2 and a message that names the field.
+uvloop + httptools with bounds on request headers and deadlines on headers and bodies
+(:mod:`kvgate.router.http.protocol`), no access log (the gateway writes its own one line per request), and uvicorn's
+graceful shutdown: on SIGTERM/SIGINT it stops accepting, lets in-flight requests and streams finish for up to
+``server.shutdown_grace_s``, then cancels what is left. A bad policy file stops the process with exit code 2 and a
+message that names the field.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import uvicorn
 from kvgate.policies.registry import POLICY_NAMES
 from kvgate.router.config import ConfigError, KvgateConfig
 from kvgate.router.http.app import create_app
-from kvgate.router.http.protocol import HeaderDeadlineProtocol
+from kvgate.router.http.protocol import BoundedHttpProtocol
 from kvgate.router.ops.logs import configure_logging
 from kvgate.router.ops.reload import ConfigHolder
 
@@ -65,13 +66,18 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_CONFIG
     server_cfg = holder.current.server
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    header_protocol = functools.partial(HeaderDeadlineProtocol, header_timeout_s=server_cfg.header_timeout_s)
+    protocol = functools.partial(
+        BoundedHttpProtocol, header_timeout_s=server_cfg.header_timeout_s, body_timeout_s=server_cfg.body_timeout_s,
+        max_header_bytes=server_cfg.max_header_bytes, max_headers=server_cfg.max_headers,
+    )
     config = uvicorn.Config(
         create_app(holder),
         host=args.host or server_cfg.host,
         port=server_cfg.port if args.port is None else args.port,
         loop="uvloop",
-        http=header_protocol,  # type: ignore[arg-type]  # uvicorn takes a protocol factory in place of a name
+        http=protocol,  # type: ignore[arg-type]  # uvicorn takes a protocol factory in place of a name
+        ws="none",  # kvgate upgrades to nothing: an Upgrade request is answered as plain HTTP
+        server_header=False,  # no "server: uvicorn": nothing says what kvgate runs on
         lifespan="on",
         access_log=False,
         proxy_headers=False,  # kvgate never reads the client address: skip rewriting it from X-Forwarded-For

@@ -13,10 +13,10 @@ import yaml
 
 from tests.support import Sim
 
-LOOP_BLOCK_LIMIT_S = 1.0
-"""No single request may hold the gateway's event loop longer than this. The hostile requests this suite sends held
-it for seconds before they were refused up front or rendered in a child process; the bound sits well below that and
-well above what a loaded shared machine adds to one probe."""
+LOOP_BLOCK_LIMIT_S = 0.05
+"""No single request may hold the gateway's event loop longer than this: a ``/health`` probe sent meanwhile is
+answered within it. The hostile requests this suite sends held the loop for hundreds of milliseconds to seconds
+before they were bounded, refused up front or moved off the loop."""
 PROBE_TRIES = 3
 """A shared, noisy machine can delay one probe by itself; a request that really blocks the loop does it every try."""
 
