@@ -421,7 +421,7 @@ class Gateway:
             self.accounting.rejected(e, admission)
             raise
         request_id = admission.request_id
-        dispatcher = FleetDispatcher(self.fleet, lambda _: 0)
+        dispatcher = FleetDispatcher(self.fleet, lambda _: 0, admission.tenant)
         fwd = Forward(path, parsed.raw, upstream_headers(admission.client, request_id, self.tenants.enabled), False,
                       decision.ranked, self.config.proxy.max_attempts)
         try:
@@ -430,7 +430,7 @@ class Gateway:
             err = failed.to_api_error()
             self.metrics.requests.labels("", str(failed.status or err.status), decision.reason).inc()
             return err.response({"x-request-id": request_id})
-        up.ticket.finish(True)
+        up.settle()
         self.metrics.requests.labels(up.replica, str(up.status), decision.reason).inc()
         out_headers = up.client_headers()
         out_headers.update({"x-request-id": request_id, "x-kvgate-replica": up.replica,

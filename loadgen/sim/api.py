@@ -103,13 +103,21 @@ class ReplicaApi:
             return web.Response(status=499)
 
     # --- OpenAI endpoints ----------------------------------------------------------------------------------------
+    async def _check_poison(self, request: web.BaseRequest) -> None:
+        poison = self.replica.poison
+        if poison is not None and poison in await request.read():
+            raise ApiError("the engine failed on this request (poisoned by /sim/fault)", None, 500,
+                           "InternalServerError")
+
     async def completions(self, request: web.BaseRequest) -> web.StreamResponse:
+        await self._check_poison(request)
         body = await _json_body(request)
         self._check_model(body)
         gen = self._generation(request, body, "/v1/completions", self._completion_prompt(body))
         return await self._serve(request, gen, chat=False)
 
     async def chat_completions(self, request: web.BaseRequest) -> web.StreamResponse:
+        await self._check_poison(request)
         body = await _json_body(request)
         self._check_model(body)
         gen = self._generation(request, body, "/v1/chat/completions", self._chat_prompt(body))

@@ -2,7 +2,8 @@
 
 ``{"action": ..., "replica": <index or name, optional: another replica of the fleet>}``. Actions: restart, unhealthy,
 healthy, stall (``seconds`` optional), unstall, drop_events (``fraction``), delay_events (``ms``), disable_replay,
-enable_replay, reset_cache, stop (close the HTTP listener and cut open connections), start.
+enable_replay, reset_cache, stop (close the HTTP listener and cut open connections), start, poison (``marker``: every
+generation request whose body holds it is answered 500, as an engine that fails on some content does; null clears).
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ async def apply(replica: "Replica", body: dict[str, Any]) -> tuple[dict[str, Any
         after = target.stop_http
     elif action == "start":
         await target.start_http()
+    elif action == "poison":
+        marker = body.get("marker")
+        if marker is not None and not (isinstance(marker, str) and marker):
+            raise ApiError("marker must be a non-empty string or null", "marker")
+        target.poison = None if marker is None else marker.encode()
     else:
         raise ApiError(f"unknown fault action {action!r}", "action")
     return {"replica": target.name, "action": action, "ok": True}, after

@@ -51,6 +51,8 @@ class Replica:
         self.params = params
         self.model = fleet.model
         self.healthy = True
+        self.poison: bytes | None = None
+        """Generation requests whose body holds these bytes are answered 500 (``/sim/fault`` poison)."""
         self.started_at = time.time()
         self.records: deque[SimRequest | dict[str, Any]] = deque(maxlen=RECORDS_KEPT)
         self.errors = 0

@@ -128,17 +128,19 @@ class Replica:
 class LoadTicket:
     """The load one dispatched request puts on its replica, released exactly once."""
 
-    __slots__ = ("replica", "_prefill_tokens", "_prefilling", "_finished")
+    __slots__ = ("replica", "caller", "_prefill_tokens", "_prefilling", "_finished")
 
-    def __init__(self, replica: Replica, prefill_tokens: int) -> None:
+    def __init__(self, replica: Replica, prefill_tokens: int, caller: str | None = None) -> None:
         self.replica = replica
+        self.caller = caller
+        """Whose request it is (the tenant, None without tenants): the breaker counts failures by caller."""
         self._prefill_tokens = prefill_tokens
         self._prefilling = True
         self._finished = False
         replica.in_flight += 1
         replica.in_flight_prefill_tokens += prefill_tokens
         replica.in_flight_prefilling += 1
-        replica.breaker.on_dispatch()
+        replica.breaker.on_dispatch(caller)
 
     def first_token(self) -> None:
         """The prefill is done: the request and its tokens no longer wait on the replica. Idempotent."""
@@ -149,18 +151,27 @@ class LoadTicket:
         self.replica.in_flight_prefilling -= 1
         self._prefill_tokens = 0
 
-    def finish(self, ok: bool) -> None:
-        """The request is over. ``ok=False`` only for replica faults (connect error, timeout, 5xx): it counts toward
-        opening the breaker. Idempotent: only the first call counts."""
+    def finish(self, ok: bool | None) -> None:
+        """The request is over. ``ok``: True, the replica served it; False, a failure blamed on the replica (it
+        counts toward opening the breaker); None, it proves neither (the engine refused what the client sent, or a
+        failure not yet blamed on the replica, see :meth:`blame`). Idempotent: only the first call counts."""
         if self._finished:
             return
         self._finished = True
         self.first_token()
         self.replica.in_flight -= 1
+        breaker = self.replica.breaker
         if ok:
-            self.replica.breaker.record_success()
+            breaker.record_success()
+        elif ok is None:
+            breaker.record_inconclusive()
         else:
-            self.replica.breaker.record_failure()
+            breaker.record_failure(self.caller)
+
+    def blame(self) -> None:
+        """A failure this ticket ended with unblamed (``finish(None)``) turned out to be the replica's: the same
+        request succeeded on another replica."""
+        self.replica.breaker.record_failure(self.caller)
 
 
 class FleetListener:
@@ -300,20 +311,22 @@ class Fleet:
 
     # load accounting and passive health
 
-    def dispatch(self, name: str, prefill_tokens: int) -> LoadTicket:
+    def dispatch(self, name: str, prefill_tokens: int, caller: str | None = None) -> LoadTicket:
         replica = self.replicas[name]
         replica.arrivals.add(self.clock())
-        return LoadTicket(replica, max(0, prefill_tokens))
+        return LoadTicket(replica, max(0, prefill_tokens), caller)
 
-    def record_failure(self, name: str) -> None:
-        r = self.replicas.get(name)
-        if r is not None:
-            r.breaker.record_failure()
+    def may_eject(self) -> bool:
+        """Whether one more replica's circuit may open: at most ``breaker.max_ejected_fraction`` of the fleet (at
+        least one replica) is ejected at once, so failures that are really the clients' cannot empty the fleet."""
+        ejected = sum(1 for r in self.replicas.values() if r.breaker.state != "closed")
+        return ejected < max(1, int(self.config.breaker.max_ejected_fraction * len(self.replicas)))
 
-    def record_success(self, name: str) -> None:
-        r = self.replicas.get(name)
-        if r is not None:
-            r.breaker.record_success()
+    def serving(self) -> list[Replica]:
+        """Replicas that pass their health checks and are not draining, whatever their circuits say: what readiness
+        is judged on (an open circuit is a transient ejection, and failures a client caused must not unready the
+        gateway)."""
+        return [r for r in self.replicas.values() if r.healthy and not r.draining]
 
     # membership
 
@@ -368,7 +381,7 @@ class Fleet:
     # internals
 
     def _insert(self, cfg: ReplicaConfig) -> Replica:
-        replica = Replica(cfg, CircuitBreaker(self.config.breaker, self.clock))
+        replica = Replica(cfg, CircuitBreaker(self.config.breaker, self.clock, self.may_eject))
         self.replicas[cfg.name] = replica
         if self._started:
             self._notify("on_added", replica)

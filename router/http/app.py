@@ -112,15 +112,17 @@ def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
-        """Open to probes; the routable replicas' names only to callers who may send requests."""
+        """Open to probes: ready while a replica passes its health checks (open circuits are transient ejections,
+        and a client's failures must not unready the gateway); the routable replicas' names only to callers who may
+        send requests."""
         if gateway.warming:
             raise ApiError(503, "warming up from a peer's index snapshot", code="warming")
-        routable = [r.name for r in gateway.fleet.routable()]
-        if not routable:
-            raise ApiError(503, "no routable replica", code="no_replica")
+        serving = gateway.fleet.serving()
+        if not serving:
+            raise ApiError(503, "no replica passes its health checks", code="no_replica")
         if not gateway.may_call(ClientHeaders.of(request.scope)):
             return json_response({"status": "ready"})
-        return json_response({"status": "ready", "routable": routable})
+        return json_response({"status": "ready", "routable": [r.name for r in serving if r.routable()]})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

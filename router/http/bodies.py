@@ -80,6 +80,37 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+ENGINE_STEERING_FIELDS = frozenset({
+    "kv_transfer_params", "ec_transfer_params",  # vLLM: where KV (encoder cache) is pulled from or kept for
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",  # SGLang: the P/D handshake's peer
+    "session_params",  # SGLang: continue another request's KV
+    "routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank",  # SGLang: which data-parallel rank runs it
+    "extra_key",  # SGLang: the prefix cache's namespace (kvgate's is cache_salt)
+    "rid",  # SGLang: the request's id inside the engine (kvgate's is X-Request-Id)
+    "lora_path",  # SGLang: an adapter loaded from a path on the engine's disk
+    "custom_logit_processor",  # SGLang: serialised code the engine runs
+})
+"""Request fields that steer an engine's KV cache, its network connections, its placement or what it loads and runs.
+They are kvgate's to set (transfers, disaggregation, tenants' namespaces), never a client's: a client's
+``kv_transfer_params`` made an engine hold its KV blocks and hand back their ids and its side channel, and
+``bootstrap_*`` fields make an SGLang engine connect where the client says."""
+ENGINE_STEERING_XARGS = frozenset({"kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"})
+"""Keys of vLLM's ``vllm_xargs`` (passed into the sampling parameters' ``extra_args``, where vLLM's KV connectors
+read ``kv_transfer_params`` too) that are kvgate's for the same reason."""
+
+
+def refuse_engine_steering(body: dict[str, Any]) -> None:
+    """A 400 (``forbidden_field``) for a client's body that sets one of :data:`ENGINE_STEERING_FIELDS` or
+    :data:`ENGINE_STEERING_XARGS`, naming the field."""
+    if not ENGINE_STEERING_FIELDS.isdisjoint(body):
+        name = min(ENGINE_STEERING_FIELDS.intersection(body))
+        raise ApiError(400, f"'{name}' is set by kvgate, not by clients", param=name, code="forbidden_field")
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and not ENGINE_STEERING_XARGS.isdisjoint(xargs):
+        name = "vllm_xargs." + min(ENGINE_STEERING_XARGS.intersection(xargs))
+        raise ApiError(400, f"'{name}' is set by kvgate, not by clients", param=name, code="forbidden_field")
+
+
 def required_model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if model is None:

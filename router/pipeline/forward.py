@@ -49,7 +49,7 @@ class Forwarder:
         """The upstream answer (its first byte in), or None when the client left first. Raises
         :class:`~kvgate.router.upstream.proxy.AttemptFailed` when every attempt failed."""
         decision = routed.decision
-        dispatcher = FleetDispatcher(self.fleet, routed.prefill_tokens)
+        dispatcher = FleetDispatcher(self.fleet, routed.prefill_tokens, routed.request.tenant)
         stream, max_tokens = parsed.stream, routed.request.max_tokens
 
         def deadline_s(replica: str) -> float:
@@ -119,6 +119,6 @@ def relay(up: Upstream, routed: Routed, request_id: str, stream: bool, finished:
             finished(up, result)
 
         return RelayResponse(relay_stream(up, on_end), status_code=up.status, headers=headers)
-    up.ticket.finish(True)
+    up.settle()
     finished(up, None)
     return Response(up.body, status_code=up.status, headers=headers)

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from kvgate.router.http.bodies import client_salt, parse_body, required_model, wants_stream
+from kvgate.router.http.bodies import client_salt, parse_body, refuse_engine_steering, required_model, wants_stream
 from kvgate.router.http.errors import ApiError
 from kvgate.router.http.tenants import TenantResolver
 from kvgate.router.routing.router import Router
@@ -28,8 +28,10 @@ class Parsed:
 
 
 def parse(raw: bytes, router: Router) -> Parsed:
-    """Not a JSON object, without a model, or naming a model no replica serves is an :class:`ApiError`."""
+    """Not a JSON object, without a model, naming a model no replica serves, or setting a field that steers the
+    engine (:data:`~kvgate.router.http.bodies.ENGINE_STEERING_FIELDS`) is an :class:`ApiError`."""
     body = parse_body(raw)
+    refuse_engine_steering(body)
     model = required_model(body)
     check_model(model, router)
     return Parsed(raw, body, model, wants_stream(body), client_salt(body))

@@ -188,7 +188,7 @@ class Replication:
         try:
             up = await self.proxy.forward(Forward("/v1/completions", _encode(body), headers, False, [warmup.target], 1),
                                           dispatcher)
-            up.ticket.finish(True)
+            up.settle()
             ok = up.status == 200
         except AttemptFailed as failed:
             log.warning("warm-up of %s failed: %s", warmup.target, failed)

@@ -121,11 +121,13 @@ class Routed:
 
 @dataclass(slots=True)
 class FleetDispatcher:
-    """The proxy's view of the fleet for one request (router.upstream.proxy.Dispatcher); ``prefill_tokens(replica)`` is
-    the uncached work a dispatch there adds (``Routed.prefill_tokens`` for routed requests)."""
+    """The proxy's view of the fleet for one request (:class:`kvgate.router.upstream.proxy.Dispatcher`);
+    ``prefill_tokens(replica)`` is the uncached work a dispatch there adds (``Routed.prefill_tokens`` for routed
+    requests), ``caller`` the tenant whose request it is."""
 
     fleet: Fleet
     prefill_tokens: Callable[[str], int]
+    caller: str | None = None
 
     def url_of(self, name: str) -> str | None:
         replica = self.fleet.replicas.get(name)
@@ -136,7 +138,7 @@ class FleetDispatcher:
         return replica is not None and replica.routable()
 
     def dispatch(self, name: str) -> LoadTicket:
-        return self.fleet.dispatch(name, self.prefill_tokens(name))
+        return self.fleet.dispatch(name, self.prefill_tokens(name), self.caller)
 
 
 class Router:

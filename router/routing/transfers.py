@@ -63,7 +63,7 @@ async def prefill_for_transfer(
             up = await proxy.forward(leg, dispatcher)
     except (AttemptFailed, TimeoutError):
         return None
-    up.ticket.finish(True)
+    up.settle()
     if up.status != 200:
         return None
     try:

@@ -20,7 +20,16 @@ class HealthConfig(Section):
 
 class BreakerConfig(Section):
     failures_to_open: int = Field(5, ge=1)
-    """Consecutive request failures (connect error, timeout, 5xx) that open a replica's circuit."""
+    """Consecutive request failures blamed on a replica that open its circuit: a connection it refused, or a timeout,
+    reset or 5xx of a request that then succeeded on another replica (a request that fails everywhere, or that the
+    engine refuses with a 4xx, is never the replica's fault)."""
+    min_callers_to_open: int = Field(2, ge=1)
+    """The failures that open a circuit must come from requests of at least this many tenants, or of every tenant
+    that sent the replica requests in the last minute when fewer did: one tenant cannot eject a replica that serves
+    others."""
+    max_ejected_fraction: float = Field(0.5, gt=0, le=1)
+    """At most this fraction of the fleet's replicas may have an open circuit at once (at least one may): a circuit
+    that would eject more stays closed, as Envoy's ``max_ejection_percent``."""
     open_s: float = Field(10.0, gt=0)
     """How long a first opening rejects before admitting one half-open probe request; each further opening without
     a recovery in between doubles it (Envoy's outlier detection), up to ``max_open_s``."""

@@ -7,8 +7,13 @@ overhead") is that floor. aiohttp keeps connections alive per host and sets TCP_
 
 Retry rule: an attempt may be retried on the next replica only while nothing has reached the client — connection
 refused or reset, no response headers (or, when streaming, no first token) within the attempt's first-byte deadline
-(:func:`first_byte_deadline_s`), or a 5xx/429 answer; each such failure also counts against the replica's breaker.
-A non-streaming body is read whole before anything is sent, so it is retryable until it is complete.
+(:func:`first_byte_deadline_s`), or a 5xx/429 answer. A non-streaming body is read whole before anything is sent,
+so it is retryable until it is complete.
+
+Blame rule: a refused connection counts against the replica's breaker at once (nothing the client sent can cause
+it). A timeout, a reset or a 5xx may be the request's own doing (a prompt that crashes or stalls the engine, fields
+it rejects badly), so it counts only once the same request succeeded on another replica; a request that fails
+everywhere, or that another replica refuses with a 4xx, blames nobody. A 429 is backpressure, never a fault.
 Once a streamed chunk has been sent, a failure ends the stream with an OpenAI-style error event instead: a retry
 would duplicate text the client already has.
 """
@@ -53,11 +58,13 @@ def create_session(config: ProxyConfig) -> aiohttp.ClientSession:
 
 
 class Ticket(Protocol):
-    """The fleet's load ticket for one dispatched attempt (router.fleet.state.LoadTicket)."""
+    """The fleet's load ticket for one dispatched attempt (:class:`kvgate.router.fleet.state.LoadTicket`)."""
 
     def first_token(self) -> None: ...
 
-    def finish(self, ok: bool) -> None: ...
+    def finish(self, ok: bool | None) -> None: ...
+
+    def blame(self) -> None: ...
 
 
 class Dispatcher(Protocol):
@@ -105,6 +112,11 @@ class Upstream:
     def status(self) -> int:
         return self.response.status
 
+    def settle(self) -> None:
+        """The answer is over: the replica served it, unless the engine refused the request (a 4xx), which says
+        nothing about the replica."""
+        self.ticket.finish(True if self.status < 400 else None)
+
     def client_headers(self) -> dict[str, str]:
         """The upstream's end-to-end headers, to copy to the client."""
         return {k.lower(): v for k, v in self.response.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -139,6 +151,8 @@ class Proxy:
         """Try ``fwd.candidates`` in order until one answers; raise the last failure as an :class:`ApiError`-able
         :class:`AttemptFailed` when none does. A non-retryable answer (e.g. an engine's 400) is returned as is."""
         last: AttemptFailed | None = None
+        unblamed: list[Ticket] = []
+        """Attempts that failed in a way the request itself may have caused: blamed only if another one succeeds."""
         attempts = 0
         for name in fwd.candidates:
             if attempts >= fwd.max_attempts:
@@ -158,14 +172,20 @@ class Proxy:
             try:
                 response, body, first_byte_at = await self._attempt(url + fwd.path, fwd, deadline_s)
             except AttemptFailed as failed:
-                ticket.finish(False)
+                replica_fault = failed.cause == "connect"
+                ticket.finish(False if replica_fault else None)
+                if not replica_fault and failed.cause != "status_429":
+                    unblamed.append(ticket)
                 self.on_failure(name, failed.cause)
                 last = failed
                 continue
             except BaseException:
-                ticket.finish(True)
+                ticket.finish(None)
                 raise
             ticket.first_token()
+            if response.status < 400:
+                for failed_ticket in unblamed:
+                    failed_ticket.blame()
             return Upstream(name, response, body, ticket, attempts, first_byte_at)
         if last is None:
             raise AttemptFailed("no_replica", "no routable replica")

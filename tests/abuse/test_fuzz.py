@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgate.cache_index.events import MalformedBatch, decode_batch, decode_json_batch
-from kvgate.router.http.bodies import client_salt, parse_body, required_model, wants_stream
+from kvgate.router.http.bodies import client_salt, parse_body, refuse_engine_steering, required_model, wants_stream
 from kvgate.router.http.config import LimitsConfig
 from kvgate.router.http.errors import ApiError
 from kvgate.router.prompts.tokenizer import PromptError, check_limits, parse_chat, parse_completion
@@ -24,6 +24,7 @@ json_values = st.recursive(
     max_leaves=30,
 )
 chat_keys = st.sampled_from(["model", "messages", "role", "content", "type", "text", "stream", "cache_salt",
+                             "kv_transfer_params", "vllm_xargs", "bootstrap_room",
                              "chat_template", "chat_template_kwargs", "tools", "documents", "prompt",
                              "add_generation_prompt", "continue_final_message", "add_special_tokens"])
 request_like = st.recursive(
@@ -36,6 +37,7 @@ request_like = st.recursive(
 def parse_request(raw: bytes, endpoint: str) -> None:
     """What the gateway does with a body before routing, in order."""
     body = parse_body(raw)
+    refuse_engine_steering(body)
     required_model(body)
     wants_stream(body)
     client_salt(body)

@@ -83,3 +83,57 @@ def test_thresholds_follow_a_reloaded_config() -> None:
     b.config = BreakerConfig(failures_to_open=1, open_s=1)
     b.record_failure()
     assert b.state == "open"
+
+
+def test_one_callers_failures_do_not_open_a_circuit_others_use() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(BreakerConfig(failures_to_open=3, min_callers_to_open=2), clock)
+    for caller in ("alice", "bob"):
+        b.on_dispatch(caller)
+    for _ in range(10):
+        b.record_failure("bob")
+    assert b.state == "closed"  # bob alone, though alice sends requests here too
+    b.record_failure("alice")
+    assert b.state == "open"
+
+
+def test_a_replica_only_one_caller_uses_opens_on_that_callers_failures() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(BreakerConfig(failures_to_open=3, min_callers_to_open=2), clock)
+    b.on_dispatch("alice")
+    clock.now += 1
+    for _ in range(3):
+        b.record_failure("alice")
+    assert b.state == "open"
+
+
+def test_a_caller_seen_long_ago_is_no_longer_one_of_the_recent_callers() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(BreakerConfig(failures_to_open=2, min_callers_to_open=2), clock)
+    b.on_dispatch("alice")
+    clock.now += 3600
+    b.on_dispatch("bob")
+    b.record_failure("bob")
+    b.record_failure("bob")
+    assert b.state == "open"
+
+
+def test_the_fleet_may_refuse_an_opening() -> None:
+    allowed = [False]
+    b = CircuitBreaker(BreakerConfig(failures_to_open=2), FakeClock(), may_open=lambda: allowed[0])
+    for _ in range(5):
+        b.record_failure()
+    assert b.state == "closed"
+    allowed[0] = True
+    b.record_failure()
+    assert b.state == "open"
+
+
+def test_an_inconclusive_answer_frees_the_half_open_probe() -> None:
+    b, clock = make(failures=1, open_s=10)
+    b.record_failure()
+    clock.now += 10
+    b.on_dispatch()
+    assert not b.allow()
+    b.record_inconclusive()  # the probe's request failed everywhere, or the engine refused it: no verdict
+    assert b.state == "half_open" and b.allow()

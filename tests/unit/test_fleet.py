@@ -99,6 +99,28 @@ async def test_failed_tickets_open_the_breaker(session: aiohttp.ClientSession) -
     assert fleet.routable() == []
 
 
+async def test_at_most_the_ejectable_fraction_of_the_fleet_is_ejected(session: aiohttp.ClientSession) -> None:
+    fleet = Fleet(config("a", "b", "c", "d", extra="breaker: {failures_to_open: 1, max_ejected_fraction: 0.5}\n"),
+                  session)
+    for name in fleet.replicas:
+        fleet.replicas[name].healthy = True
+        fleet.dispatch(name, 10).finish(ok=False)
+    assert sorted(r.breaker.state for r in fleet.replicas.values()) == ["closed", "closed", "open", "open"]
+    assert len(fleet.routable()) == 2 and len(fleet.serving()) == 4  # readiness does not follow the circuits
+
+
+async def test_an_unblamed_failure_counts_once_blamed(session: aiohttp.ClientSession) -> None:
+    fleet = Fleet(config("a", extra="breaker: {failures_to_open: 2}\n"), session)
+    r = fleet.replicas["a"]
+    tickets = [fleet.dispatch("a", 10) for _ in range(3)]
+    for ticket in tickets:
+        ticket.finish(ok=None)
+    assert r.in_flight == 0 and r.breaker.consecutive_failures == 0
+    tickets[0].blame()
+    tickets[1].blame()
+    assert r.breaker.state == "open"
+
+
 async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter(session: aiohttp.ClientSession) -> None:
     clock = FakeClock()
     fleet = Fleet(config("a"), session, clock=clock)

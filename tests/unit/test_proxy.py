@@ -34,14 +34,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @dataclass
 class FakeTicket:
     first: bool = False
-    finished: list[bool] = field(default_factory=list)
+    finished: list[bool | None] = field(default_factory=list)
+    blamed: bool = False
 
     def first_token(self) -> None:
         self.first = True
 
-    def finish(self, ok: bool) -> None:
+    def finish(self, ok: bool | None) -> None:
         if not self.finished:
             self.finished.append(ok)
+
+    def blame(self) -> None:
+        self.blamed = True
 
 
 @dataclass
@@ -133,7 +137,8 @@ async def test_5xx_and_429_retry_then_the_last_failure_is_raised(proxy: Proxy, e
     with pytest.raises(AttemptFailed) as caught:
         await proxy.forward(forward(["a", "b"]), d)
     assert caught.value.status == 503 and json.loads(caught.value.body)["error"]["message"] == "boom"
-    assert [t.finished for _, t in d.tickets] == [[False], [False]]
+    # A 429 is backpressure and a 5xx on every replica may be the request's own doing: nobody is blamed.
+    assert [(t.finished, t.blamed) for _, t in d.tickets] == [([None], False), ([None], False)]
 
 
 async def test_client_errors_are_returned_not_retried(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
@@ -354,7 +359,8 @@ async def test_an_attempt_is_abandoned_at_its_own_deadline_and_retried(proxy: Pr
         released.set()
     assert up.replica == "good" and up.attempts == 2
     assert asked == ["hung", "good"] and failures == [("hung", "timeout")]
-    assert [ticket.finished for _, ticket in d.tickets] == [[False], []]  # the timeout counts against "hung"
+    # The timeout counts against "hung" once the same request succeeded on "good".
+    assert [(t.finished, t.blamed) for _, t in d.tickets] == [([None], True), ([], False)]
 
 
 def test_first_leg_body_caps_chat_completion_tokens_too() -> None:

@@ -138,7 +138,7 @@ class SglangHandoff:
             return up  # the client's own error (a 4xx): a local prefill would answer the same
         if up is not None:
             up.response.close()
-            up.ticket.finish(False)
+            up.ticket.finish(None)  # the decode server is up and answered: only the handoff failed
         if up is not None or (isinstance(failed, AttemptFailed) and failed.status is not None):
             log.warning("decode leg on %s answered without its KV (room %d): prefilling there", decision.replica,
                         room.room)
@@ -157,7 +157,7 @@ class SglangHandoff:
             self._draining.discard(task)
             up = _answer(task)
             if up is not None:
-                up.ticket.finish(up.status == 200)
+                up.settle()
                 up.response.release()
 
         if prefill_leg.done():
