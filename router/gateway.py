@@ -10,6 +10,7 @@ stops them, and applies reloaded policy files. Its endpoint methods compose the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import Coroutine
@@ -21,7 +22,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvgate.cache_index.http_ingest import HttpIngestError, ingest_http
+from kvgate.cache_index.http_ingest import HttpIngestError, apply_http_frame, decode_http_frame
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.ingest import EventIngestor
 from kvgate.cache_index.subscriber import SubscriptionManager
@@ -54,7 +55,9 @@ from kvgate.router.peers.snapshot import CONTENT_TYPE as SNAPSHOT_CONTENT_TYPE
 from kvgate.router.peers.snapshot import Applied, Snapshot, SnapshotRejected, apply_snapshot, take_snapshot
 from kvgate.router.peers.warm_start import take_from_peers
 from kvgate.router.pipeline.account import Accounting
-from kvgate.router.pipeline.admit import Admission, ClientHeaders, read_within_limits, resolve_tenant, upstream_headers
+from kvgate.router.pipeline.admit import (
+    Admission, ClientHeaders, check_client_ids, read_within_limits, resolve_tenant, upstream_headers,
+)
 from kvgate.router.pipeline.forward import Forwarder, relay
 from kvgate.router.pipeline.parse import parse, salt_for_tenant
 from kvgate.router.pipeline.route import route, routing_errors, tokenize
@@ -385,6 +388,7 @@ class Gateway:
         admission = Admission.of(request.scope)
         try:
             admission.tenant = resolve_tenant(self.tenants, admission.client.authorization)
+            check_client_ids(admission.client, self.config.limits)
             raw = await read_within_limits(request, self.config.server, self.config.limits)
             parsed = salt_for_tenant(parse(raw, self.router), self.tenants, admission.tenant)
             prompt = await tokenize(self.router, endpoint, parsed)
@@ -413,6 +417,7 @@ class Gateway:
         admission = Admission.of(request.scope)
         try:
             admission.tenant = resolve_tenant(self.tenants, admission.client.authorization)
+            check_client_ids(admission.client, self.config.limits)
             raw = await read_within_limits(request, self.config.server, self.config.limits)
             parsed = parse(raw, self.router)
             with routing_errors():
@@ -470,6 +475,7 @@ class Gateway:
         and the numbers behind it."""
         admission = Admission.of(request.scope)
         admission.tenant, full = self._explain_caller(admission.client, request.headers)
+        check_client_ids(admission.client, self.config.limits)
         raw = await read_within_limits(request, self.config.server, self.config.limits)
         parsed = salt_for_tenant(parse(raw, self.router), self.tenants, admission.tenant)
         endpoint: Endpoint = "chat" if "messages" in parsed.body else "completions"
@@ -487,14 +493,19 @@ class Gateway:
         headers = request.headers
         self.credentials.require_events(headers.get("authorization"))
         server = self.config.server
-        raw = await read_body(request, server.max_body_bytes, server.body_timeout_s, max_items=None)
-        try:
-            result = ingest_http(
-                self.ingestor, headers.get("x-kvgate-replica"), raw, headers.get("content-type"),
-                seq=_int_header(headers, "x-kvgate-seq"), dp_rank=_int_header(headers, "x-kvgate-dp-rank"),
-            )
+        raw = await read_body(request, server.max_event_body_bytes, server.body_timeout_s, None)
+        decode = functools.partial(
+            decode_http_frame, headers.get("x-kvgate-replica"), raw, headers.get("content-type"),
+            seq=_int_header(headers, "x-kvgate-seq"), dp_rank=_int_header(headers, "x-kvgate-dp-rank"),
+        )
+        try:  # decoding is pure: off the loop, which applying (bounded below) is not
+            frame = await asyncio.get_running_loop().run_in_executor(None, decode)
         except HttpIngestError as e:
             raise ApiError(400, str(e), code="invalid_events") from e
+        if frame.blocks > server.max_event_blocks:
+            raise ApiError(413, f"the batch holds {frame.blocks} blocks; the limit is {server.max_event_blocks} "
+                           "(split it, one sequence number each)", code="request_too_large")
+        result = apply_http_frame(self.ingestor, frame)
         return {"status": result.status.name.lower(), "events": result.events}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
@@ -24,21 +24,29 @@ COUNT_ITEMS_ABOVE_BYTES = 65536
 _STRUCTURE_BYTES = b"{[,"
 
 
-async def read_body(request: Request, limit: int, timeout_s: float, max_items: int | None) -> bytes:
+class JsonBounds(NamedTuple):
+    """How much JSON a body may hold: values (its ``{``, ``[`` and ``,`` bytes, an upper bound of them) and objects
+    (its ``{`` bytes: each costs the decoder a dict and its keys, several times a value in a list)."""
+
+    items: int
+    objects: int
+
+
+async def read_body(request: Request, limit: int, timeout_s: float, bounds: JsonBounds | None) -> bytes:
     """The request body, refusing (413) anything over ``limit`` bytes by Content-Length or by what actually arrives,
     and (408) a body that has not arrived in full within ``timeout_s``. A client that disconnects during the upload
     is a 499 for the request log: one line, no traceback.
 
-    A body over :data:`COUNT_ITEMS_ABOVE_BYTES` with more than ``max_items`` ``{``, ``[`` and ``,`` bytes (an upper
-    bound of the JSON values it holds) is refused (413) as soon as the count passes the limit, chunk by chunk as it
-    arrives: decoding builds every value on the event loop, so 800,000 tiny messages would hold it for seconds, and
-    counting a whole body at once would hold it too. ``max_items=None`` (bodies that are not JSON) counts nothing."""
+    A body over :data:`COUNT_ITEMS_ABOVE_BYTES` beyond ``bounds`` is refused (413) as soon as a count passes its
+    limit, chunk by chunk as it arrives: decoding builds every value on the event loop (msgspec holds the GIL, so no
+    thread would help), so 800,000 tiny messages would hold it for seconds, and counting a whole body at once would
+    hold it too. ``bounds=None`` (bodies that are not JSON) counts nothing."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
     chunks: list[bytes] = []
     size = 0
-    items = -1  # not counted yet
+    items = objects = -1  # not counted yet
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
@@ -46,13 +54,14 @@ async def read_body(request: Request, limit: int, timeout_s: float, max_items: i
                 if size > limit:
                     raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
                 chunks.append(chunk)
-                if max_items is not None and size > COUNT_ITEMS_ABOVE_BYTES:
-                    items = _structure_bytes(chunks) if items < 0 else items + _structure_bytes([chunk])
-                    if items > max_items:
-                        raise ApiError(
-                            413, f"request body holds more than {max_items} JSON values (objects, arrays, elements)",
-                            code="request_too_complex",
-                        )
+                if bounds is not None and size > COUNT_ITEMS_ABOVE_BYTES:
+                    counted = chunks if items < 0 else [chunk]
+                    items = max(items, 0) + _structure_bytes(counted)
+                    objects = max(objects, 0) + sum(c.count(b"{") for c in counted)
+                    if items > bounds.items or objects > bounds.objects:
+                        what = (f"{bounds.items} JSON values (objects, arrays, elements)" if items > bounds.items
+                                else f"{bounds.objects} JSON objects")
+                        raise ApiError(413, f"request body holds more than {what}", code="request_too_complex")
     except TimeoutError:
         raise ApiError(408, f"request body not received within {timeout_s:g} s", code="request_timeout") from None
     except ClientDisconnect:

@@ -27,6 +27,11 @@ class ServerConfig(Section):
     admin token). The snapshot endpoint is off (404) when neither is set. Must differ from the events token."""
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
     """Request bodies above this get 413."""
+    max_event_body_bytes: int = Field(1024 * 1024, gt=0)
+    """Bodies posted to /kvgate/v1/events above this get 413."""
+    max_event_blocks: int = Field(4096, ge=1)
+    """Block hashes (stored or removed) one batch posted to /kvgate/v1/events may hold; more is a 413 (applying
+    costs the event loop a few microseconds per block). A sender splits larger batches, one sequence number each."""
     shutdown_grace_s: float = Field(30.0, ge=0)
     """On SIGTERM/SIGINT: stop accepting, let in-flight streams finish up to this long, then cancel them."""
     log_requests: bool = True
@@ -56,6 +61,14 @@ class LimitsConfig(Section):
     max_json_items: int = Field(200_000, ge=1)
     """Upper bound on the JSON values of a body over 64 KiB (its ``{``, ``[`` and ``,`` bytes, counted as they
     arrive); more is a 413: decoding hundreds of thousands of tiny values would hold the event loop for seconds."""
+    max_json_objects: int = Field(32_768, ge=1)
+    """Upper bound on the JSON objects of a body over 64 KiB (its ``{`` bytes, counted as they arrive); more is a
+    413. Objects cost the decoder most (a dict and its keys each): 32,768 decode in about 15 ms, well inside what a
+    request may hold the event loop for, and far more than any real conversation, tools included, has."""
+    max_id_chars: int = Field(256, ge=16)
+    """Characters of a client's X-Request-Id or X-Session-ID; longer is a 400 (they are stored and forwarded)."""
+    max_sessions_per_tenant: int = Field(20_000, ge=1)
+    """Sessions (X-Session-ID → last replica) remembered per tenant, least recently used forgotten first."""
     trust_request_chat_template: bool = False
     """Accept a request's own ``chat_template`` (or ``chat_template_kwargs.chat_template``), as vLLM's
     ``--trust-request-chat-template``; otherwise such requests get 400. Trusted templates are rendered in a

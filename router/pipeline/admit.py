@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.types import Scope
 
-from kvgate.router.http.bodies import read_body
+from kvgate.router.http.bodies import JsonBounds, read_body
 from kvgate.router.http.config import LimitsConfig, ServerConfig
 from kvgate.router.http.errors import ApiError
 from kvgate.router.http.tenants import AuthError, TenantResolver
@@ -70,10 +70,20 @@ def resolve_tenant(tenants: TenantResolver, authorization: str | None) -> str | 
         raise ApiError(401, e.message, code=e.code) from e
 
 
+def check_client_ids(client: ClientHeaders, limits: LimitsConfig) -> None:
+    """A client's X-Request-Id or X-Session-ID longer than ``limits.max_id_chars`` is a 400: both are forwarded, and
+    a session id is remembered."""
+    for name, value in (("x-request-id", client.request_id), ("x-session-id", client.session_id)):
+        if value is not None and len(value) > limits.max_id_chars:
+            raise ApiError(400, f"the {name} header has {len(value)} characters; the limit is {limits.max_id_chars}",
+                           param=name, code="invalid_header")
+
+
 async def read_within_limits(request: Request, server: ServerConfig, limits: LimitsConfig) -> bytes:
-    """The body as received: over ``server.max_body_bytes`` or too many JSON items is a 413, not in full within
-    ``server.body_timeout_s`` a 408."""
-    return await read_body(request, server.max_body_bytes, server.body_timeout_s, limits.max_json_items)
+    """The body as received: over ``server.max_body_bytes`` or too many JSON values or objects is a 413, not in
+    full within ``server.body_timeout_s`` a 408."""
+    return await read_body(request, server.max_body_bytes, server.body_timeout_s,
+                           JsonBounds(limits.max_json_items, limits.max_json_objects))
 
 
 def upstream_headers(client: ClientHeaders, request_id: str, tenants_enabled: bool) -> dict[str, str]:

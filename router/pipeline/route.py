@@ -28,7 +28,8 @@ def routing_errors() -> Iterator[None]:
 
 async def tokenize(router: Router, endpoint: Endpoint, parsed: Parsed) -> Prompt:
     with routing_errors():
-        return await router.tokenize(endpoint, parsed.body, model=parsed.model, cache_salt=parsed.cache_salt)
+        return await router.tokenize(endpoint, parsed.body, model=parsed.model, cache_salt=parsed.cache_salt,
+                                     body_bytes=len(parsed.raw))
 
 
 def route(router: Router, prompt: Prompt, admission: Admission, *, explain: bool = False) -> Routed:

@@ -249,6 +249,9 @@ class ModelTokenizer:
         """bos/eos/pad/unk token texts, the variables every chat template (the model's or a request's) is given."""
         self.prefix_ids, self.suffix_ids = wrap
         """Special tokens put before / after a prompt encoded with ``add_special_tokens`` (e.g. BOS)."""
+        self.max_chars_per_token = _max_chars_per_token(tokenizer)
+        """The most characters of prompt text one token can stand for: a prompt of ``c`` characters has at least
+        ``c / max_chars_per_token`` tokens."""
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelTokenizer":
@@ -318,6 +321,20 @@ class ModelTokenizer:
 
     def token_text(self, token_id: int) -> str | None:
         return self.tokenizer.id_to_token(token_id)
+
+
+NORMALIZED_CHARS_FACTOR = 8
+"""A normaliser may compose several characters into one (NFC joins a letter and its combining marks) or drop some,
+so behind one the longest token's text is multiplied by this for :attr:`ModelTokenizer.max_chars_per_token`."""
+
+
+def _max_chars_per_token(tokenizer: Tokenizer) -> int:
+    """The longest text any token (vocabulary or added) stands for, in characters of the text before the tokenizer
+    saw it. A vocabulary entry is its text in the tokenizer's own alphabet (byte-level BPE spells each byte as one
+    character, SentencePiece a space as ``▁``, a byte fallback ``<0xNN>``), never shorter than the text it covers."""
+    longest = max((len(token) for token in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    normalized = json.loads(tokenizer.to_str()).get("normalizer") is not None
+    return max(1, longest) * (NORMALIZED_CHARS_FACTOR if normalized else 1)
 
 
 LLAMA_STYLE_CLASSES = frozenset(

@@ -22,6 +22,7 @@ gateway answers with a 400 in OpenAI's error format.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import time
@@ -58,9 +59,12 @@ INLINE_PROMPT_CHARS = 4096
 thread-pool hop (queue put, waking a worker, two GIL hand-offs, ``call_soon_threadsafe`` back), which shows up in the
 CPU of short requests. Longer uncached text goes to the pool so a cold document never blocks the loop for long
 (``benchmarks/bench_tokenize.py`` reports the loop's longest stall; docs/benchmarks.md, "Tokenization")."""
-INLINE_MESSAGES = 64
-"""Chats with more messages than this are rendered on a worker thread: a template's cost grows with every message,
-and the worker gives the loop the GIL back every few ms."""
+INLINE_BODY_BYTES = 32768
+"""A body larger than this is parsed, rendered and tokenized on a worker thread, whole. What a request costs the loop
+grows with its body (validating its messages and parts, the chat template, cutting and looking up pieces: up to
+~70 ns a byte here, the most for many small messages or tools), so above this it would hold the loop for
+milliseconds, and 20,000 tools held it for a third of a second; the worker gives the loop the GIL back every few
+milliseconds. Below it, the hop to a worker and back costs more CPU than the work."""
 
 log = logging.getLogger("kvgate.prompts")
 
@@ -126,6 +130,20 @@ class _ChatPrompt:
     tools: list[Any] | None
     documents: list[Any] | None
     has_media: bool
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """What :meth:`PromptTokenizer._prepare` did: the parsed prompt, and its ids or text when it got that far."""
+
+    prompt: _CompletionPrompt | _ChatPrompt
+    cpu_s: float
+    ids: array[int] | None = None
+    source: Source = "local"
+    text: str | None = None
+    """The prompt text from the model's own template (or a completions prompt), for a small body's ids."""
+    failed: Exception | None = None
+    """The local tokenizer failed unexpectedly (never a client mistake): the request falls back."""
 
 
 class PieceCache:
@@ -259,43 +277,82 @@ class PromptTokenizer:
         self._request_templates.close()
 
     async def tokenize(
-        self, model: str, endpoint: Endpoint, body: dict[str, Any], *, namespace: str | None = None
+        self, model: str, endpoint: Endpoint, body: dict[str, Any], *, namespace: str | None = None,
+        body_bytes: int = 0, max_model_len: int | None = None,
     ) -> TokenizedPrompt:
         """The prompt's token ids as the engine serving ``model`` will compute them. Cached pieces and request
         templates are shared only between requests of the same ``namespace`` (the cache salt sent upstream, per
-        tenant). Raises :class:`PromptError`."""
-        started = time.thread_time()
-        prompt = parse_completion(body) if endpoint == "completions" else parse_chat(body)
-        check_limits(prompt, self.limits)
-        count = prompt.prompt_count if isinstance(prompt, _CompletionPrompt) else 1
-        # CPU on the loop is counted for the parsing only: while awaiting, the loop runs other requests.
-        parse_cpu = time.thread_time() - started
-        if isinstance(prompt, _CompletionPrompt) and prompt.ids is not None:
-            return self._done(prompt.ids, "ids", parse_cpu, count)
+        tenant). A body of more than :data:`INLINE_BODY_BYTES` (``body_bytes``) is parsed, rendered and tokenized
+        on a worker thread. A prompt whose characters alone prove it longer than ``max_model_len`` tokens is refused
+        before it is tokenized. Raises :class:`PromptError`."""
         local = self._models.get(model)
-        if local is not None and self._renders_locally(local, prompt):
+        scope = cache_scope(model, namespace)
+        whole = body_bytes > INLINE_BODY_BYTES
+        prepare = functools.partial(self._prepare, local, endpoint, body, scope, max_model_len, whole)
+        if whole:
+            prepared = await asyncio.get_running_loop().run_in_executor(self._pool, prepare)
+        else:
+            prepared = prepare()
+        prompt, cpu = prepared.prompt, prepared.cpu_s
+        count = prompt.prompt_count if isinstance(prompt, _CompletionPrompt) else 1
+        if prepared.ids is not None:
+            return self._done(prepared.ids, prepared.source, cpu, count)
+        if local is not None and prepared.failed is None and self._renders_locally(local, prompt):
             try:
-                ids, cpu = await self._tokenize_local(local, prompt, cache_scope(model, namespace))
-                return self._done(ids, "local", parse_cpu + cpu, count)
+                if isinstance(prompt, _ChatPrompt) and prompt.chat_template is not None:
+                    text = await self._render_request_template(local, prompt, scope)
+                else:
+                    assert prepared.text is not None
+                    text = prepared.text
+                ids, text_cpu = await self._text_ids(local, prompt, text, scope)
+                return self._done(ids, "local", cpu + text_cpu, count)
             except PromptError:
                 raise
-            except Exception:  # a bug or a tokenizer failure must not fail the request: route on a fallback
-                log.exception("local tokenization failed for model %s", model)
-                self._local_errors += 1
+            except Exception as err:  # a bug or a tokenizer failure must not fail the request: route on a fallback
+                prepared.failed = err
+        if prepared.failed is not None:
+            log.error("local tokenization failed for model %s", model, exc_info=prepared.failed)
+            self._local_errors += 1
         if self._engine_tokenize is not None:
             engine_ids = await self._ask_engine(model, prompt)
             if engine_ids is not None:
-                return self._done(engine_ids, "engine", parse_cpu, count)
-        ids, worker_cpu = await self._run(prompt, _approximate, prompt)
-        return self._done(ids, "approximate", parse_cpu + worker_cpu, count)
-
-    async def _run(
-        self, prompt: _CompletionPrompt | _ChatPrompt, work: Callable[..., tuple[array[int], float]], *args: Any
-    ) -> tuple[array[int], float]:
-        """``work(*args)`` on the loop for a short prompt, else on a worker thread (see ``INLINE_PROMPT_CHARS``)."""
+                return self._done(engine_ids, "engine", cpu, count)
         if _text_chars(prompt) <= INLINE_PROMPT_CHARS:
-            return work(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, work, *args)
+            ids, approximate_cpu = _approximate(prompt)
+        else:
+            ids, approximate_cpu = await asyncio.get_running_loop().run_in_executor(self._pool, _approximate, prompt)
+        return self._done(ids, "approximate", cpu + approximate_cpu, count)
+
+    def _prepare(
+        self, local: _LocalModel | None, endpoint: Endpoint, body: dict[str, Any], scope: str,
+        max_model_len: int | None, whole: bool,
+    ) -> _Prepared:
+        """What runs before any await (on the loop for a small body, else on a worker thread): the body parsed and
+        checked against the limits and the model's length; a prompt of token ids as they are; and with the model's
+        own template (or a completions prompt), the prompt text, and with ``whole`` its ids too. CPU time is this
+        thread's."""
+        started = time.thread_time()
+        prompt = parse_completion(body) if endpoint == "completions" else parse_chat(body)
+        check_limits(prompt, self.limits)
+        if isinstance(prompt, _CompletionPrompt) and prompt.ids is not None:
+            return _Prepared(prompt, time.thread_time() - started, ids=prompt.ids, source="ids")
+        if local is None or not self._renders_locally(local, prompt):
+            return _Prepared(prompt, time.thread_time() - started)
+        _check_token_bound(local, prompt, max_model_len)
+        if isinstance(prompt, _ChatPrompt) and prompt.chat_template is not None:
+            return _Prepared(prompt, time.thread_time() - started)  # the sandboxed renderer is awaited
+        try:
+            text = prompt.text if isinstance(prompt, _CompletionPrompt) else self._render_model_template(local, prompt)
+            assert text is not None
+            if not whole:
+                return _Prepared(prompt, time.thread_time() - started, text=text)
+            pieces, found, missing = self._look_up(local, text, scope)
+            ids = self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
+        except PromptError:
+            raise
+        except Exception as err:  # counted and logged on the loop
+            return _Prepared(prompt, time.thread_time() - started, failed=err)
+        return _Prepared(prompt, time.thread_time() - started, ids=ids, source="local")
 
     def _done(self, ids: array[int], source: Source, cpu_s: float, count: int) -> TokenizedPrompt:
         self._by_source[source] += 1
@@ -309,32 +366,45 @@ class PromptTokenizer:
         has_template = prompt.chat_template is not None or local.tokenizer.chat_template is not None
         return has_template and not prompt.has_media
 
-    async def _tokenize_local(
-        self, local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt, scope: str
-    ) -> tuple[array[int], float]:
-        """Render, cut into pieces and take cached pieces on the loop (a look-up each), then encode the pieces the
-        cache lacks: on the loop when they are short, else on a worker thread (``INLINE_PROMPT_CHARS``). Encoding is
-        the only costly step, so a warm long prompt never pays the hop to a worker."""
-        started = time.thread_time()
-        if isinstance(prompt, _ChatPrompt):
-            text = await self._render(local, prompt, scope)
-        else:
-            assert prompt.text is not None
-            text = prompt.text
+    def _look_up(
+        self, local: _LocalModel, text: str, scope: str
+    ) -> tuple[list[Piece], list[array[int] | None], list[tuple[str, str]]]:
+        """The text cut into pieces, each piece's cached ids (None when not cached), and the keys of those missing."""
         pieces = local.splitter.pieces(text)
         keys = [(scope, piece) for piece in pieces if isinstance(piece, str)]
         found = self.cache.get_many(keys)
-        missing = [key for key, ids in zip(keys, found) if ids is None]
+        return pieces, found, [key for key, ids in zip(keys, found) if ids is None]
+
+    async def _text_ids(
+        self, local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt, text: str, scope: str
+    ) -> tuple[array[int], float]:
+        """A small body's prompt text to ids: cut into pieces and cached pieces taken on the loop (a look-up each),
+        then the pieces the cache lacks encoded on the loop when they are short, else on a worker thread
+        (``INLINE_PROMPT_CHARS``). Encoding is the only costly step, so a warm prompt never pays the hop. Text
+        rendered by a request's template can be long whatever the body: then all of it goes to the worker."""
+        loop = asyncio.get_running_loop()
+        if len(text) > INLINE_BODY_BYTES:
+            return await loop.run_in_executor(self._pool, self._text_ids_timed, local, prompt, text, scope)
+        started = time.thread_time()
+        pieces, found, missing = self._look_up(local, text, scope)
         if sum(len(key[1]) for key in missing) <= INLINE_PROMPT_CHARS:
             # All on the loop, with no await: one CPU reading covers it (each costs a system call).
             encoded = self._encode_pieces(local, missing)
             return self._join(local, prompt, pieces, found, encoded), time.thread_time() - started
         loop_cpu = time.thread_time() - started
-        loop = asyncio.get_running_loop()
         encoded, encode_cpu = await loop.run_in_executor(self._pool, self._encode_pieces_timed, local, missing)
         started = time.thread_time()
         joined = self._join(local, prompt, pieces, found, encoded)
         return joined, loop_cpu + encode_cpu + time.thread_time() - started
+
+    def _text_ids_timed(
+        self, local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt, text: str, scope: str
+    ) -> tuple[array[int], float]:
+        """Pieces, look-ups, encoding and joining of ``text``, all on a worker thread, with the CPU it took there."""
+        started = time.thread_time()
+        pieces, found, missing = self._look_up(local, text, scope)
+        ids = self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
+        return ids, time.thread_time() - started
 
     @staticmethod
     def _join(
@@ -372,35 +442,25 @@ class PromptTokenizer:
         started = time.thread_time()
         return self._encode_pieces(local, keys), time.thread_time() - started
 
-    async def _render(self, local: _LocalModel, prompt: _ChatPrompt, scope: str) -> str:
-        """The chat's prompt text: the model's template in-process (on a worker thread for long chats), a request's
-        own template in the sandboxed renderer (:mod:`router.prompts.request_templates`). Longer than
-        ``limits.max_prompt_chars`` is a :class:`PromptError`."""
-        max_chars = self.limits.max_prompt_chars
-        if prompt.chat_template is not None:
-            job = TemplateJob(
-                prompt.chat_template, local.tokenizer.special_tokens, prompt.messages, prompt.add_generation_prompt,
-                prompt.continue_final_message, prompt.tools, prompt.documents, prompt.chat_template_kwargs, max_chars, scope,
-            )
-            try:
-                return await self._request_templates.render(job)
-            except TemplateRejected as err:
-                raise PromptError(err.message, err.param) from err
-        if len(prompt.messages) > INLINE_MESSAGES:
-            text = await asyncio.get_running_loop().run_in_executor(self._pool, self._render_model_template, local, prompt)
-        else:
-            text = self._render_model_template(local, prompt)
-        if len(text) > max_chars:
-            raise PromptError(
-                f"the rendered prompt has {len(text)} characters; the limit is {max_chars}", "messages",
-                "prompt_too_long",
-            )
-        return text
-
-    @staticmethod
-    def _render_model_template(local: _LocalModel, prompt: _ChatPrompt) -> str:
+    async def _render_request_template(self, local: _LocalModel, prompt: _ChatPrompt, scope: str) -> str:
+        """The chat's prompt text from the request's own template, in the sandboxed renderer
+        (:mod:`kvgate.router.prompts.request_templates`), within ``limits.max_prompt_chars``."""
+        assert prompt.chat_template is not None
+        job = TemplateJob(
+            prompt.chat_template, local.tokenizer.special_tokens, prompt.messages, prompt.add_generation_prompt,
+            prompt.continue_final_message, prompt.tools, prompt.documents, prompt.chat_template_kwargs,
+            self.limits.max_prompt_chars, scope,
+        )
         try:
-            return local.tokenizer.render_chat(
+            return await self._request_templates.render(job)
+        except TemplateRejected as err:
+            raise PromptError(err.message, err.param) from err
+
+    def _render_model_template(self, local: _LocalModel, prompt: _ChatPrompt) -> str:
+        """The chat's prompt text from the model's own template; longer than ``limits.max_prompt_chars`` is a
+        :class:`PromptError`, and so is what the template itself rejects."""
+        try:
+            text = local.tokenizer.render_chat(
                 prompt.messages,
                 prompt.add_generation_prompt,
                 continue_final_message=prompt.continue_final_message,
@@ -411,6 +471,13 @@ class PromptTokenizer:
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, AttributeError) as err:
             # What the template itself rejects (roles must alternate, missing fields...): vLLM answers 400 too.
             raise PromptError(f"cannot render the chat template for these messages: {err}", "messages") from err
+        max_chars = self.limits.max_prompt_chars
+        if len(text) > max_chars:
+            raise PromptError(
+                f"the rendered prompt has {len(text)} characters; the limit is {max_chars}", "messages",
+                "prompt_too_long",
+            )
+        return text
 
     async def _ask_engine(self, model: str, prompt: _CompletionPrompt | _ChatPrompt) -> array[int] | None:
         body = _engine_body(model, prompt)
@@ -424,6 +491,22 @@ class PromptTokenizer:
         except Exception:  # any failure of the injected transport or a bad answer: fall back to the approximation
             self._engine_errors += 1
             return None
+
+
+def _check_token_bound(local: _LocalModel, prompt: _CompletionPrompt | _ChatPrompt, max_model_len: int | None) -> None:
+    """A prompt whose characters alone prove it has more tokens than the model takes is refused before it is
+    tokenized (a 3.5 MB prompt cost seconds of tokenizer CPU before the engine would refuse it): no token of this
+    tokenizer covers more than :attr:`ModelTokenizer.max_chars_per_token` characters, so a prompt of ``c``
+    characters has at least ``c / max_chars_per_token`` tokens (a chat's rendered text has its messages' and more)."""
+    if max_model_len is None:
+        return
+    at_least = -(-_text_chars(prompt) // local.tokenizer.max_chars_per_token)
+    if at_least > max_model_len:
+        raise PromptError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has at least "
+            f"{at_least} input tokens. Please reduce the length of the input.",
+            "prompt" if isinstance(prompt, _CompletionPrompt) else "messages", "context_length_exceeded",
+        )
 
 
 def cache_scope(model: str, namespace: str | None) -> str:

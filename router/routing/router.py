@@ -160,7 +160,7 @@ class Router:
         self.tokenizer = tokenizer
         self.tokenizer_models = config.models
         self.rng = rng or random.Random()
-        self.sessions = SessionMemory()
+        self.sessions = SessionMemory(config.limits.max_sessions_per_tenant)
         self._least_loaded = LeastLoadedPolicy(self.rng)
         self.on_predicted: Callable[[str, Sequence[int]], None] | None = None
         """Told every prediction this router makes (the routing hints its peers receive)."""
@@ -171,6 +171,7 @@ class Router:
         from the file's values)."""
         self.config = config
         self._models: dict[str, ModelRouting] = {}
+        self.sessions.capacity_per_tenant = config.limits.max_sessions_per_tenant
 
     def model_routing(self, base_model: str) -> ModelRouting:
         routing = self._models.get(base_model)
@@ -214,17 +215,22 @@ class Router:
         replicas = self.fleet.replicas
         return any(replicas[name].config.role != "prefill" for name in names)
 
-    async def tokenize(self, endpoint: Endpoint, body: dict[str, Any], *, model: str, cache_salt: str | None) -> Prompt:
+    async def tokenize(
+        self, endpoint: Endpoint, body: dict[str, Any], *, model: str, cache_salt: str | None, body_bytes: int = 0
+    ) -> Prompt:
         """The tokenize stage: the replicas that may serve ``model``, its per-model state, and the prompt's token ids
-        as the engine will see them. Raises NoHealthyReplica when no replica may serve it (before tokenizing), and
-        PromptError for a malformed prompt or one longer than the model takes."""
+        as the engine will see them (``body_bytes``: the body's size, which decides whether that runs on a worker
+        thread). Raises NoHealthyReplica when no replica may serve it (before tokenizing), and PromptError for a
+        malformed prompt or one longer than the model takes."""
         names = self.candidates(model)
         if not self._takes_requests(names):
             raise NoHealthyReplica(model)
         base_model, lora = self.fleet.base_model_of(model)
         routing = self.model_routing(base_model)
-        tokenized = await self.tokenizer.tokenize(base_model, endpoint, body, namespace=cache_salt)
-        self._check_length(base_model, tokenized, endpoint)
+        limit = self.max_model_len(base_model)
+        tokenized = await self.tokenizer.tokenize(base_model, endpoint, body, namespace=cache_salt,
+                                                  body_bytes=body_bytes, max_model_len=limit)
+        _check_length(limit, tokenized, endpoint)
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
         return Prompt(model, base_model, lora, names, routing, tokenized, cache_salt,
                       max_tokens if isinstance(max_tokens, int) else None)
@@ -256,7 +262,7 @@ class Router:
             for name, size in block_sizes.items():  # a replica's match counts only under its own block size
                 if size == block_size and name in found:
                     matches[name] = self._surviving_match(name, reusable, found[name], block_size)
-        last = self.sessions.last_replica(cache_salt, session_id)
+        last = self.sessions.last_replica(tenant, cache_salt, session_id)
         views = {
             name: self.with_capacity(
                 self.fleet.view(name, matches.get(name) or PrefixMatch(), session_match=name == last), routing
@@ -321,18 +327,6 @@ class Router:
         ]
         return max(reported, default=None)
 
-    def _check_length(self, base_model: str, tokenized: TokenizedPrompt, endpoint: Endpoint) -> None:
-        """A prompt longer than the model takes is a 400 here, as the engine would answer (approximate counts are
-        not exact enough to refuse on)."""
-        limit = self.max_model_len(base_model)
-        tokens = len(tokenized.token_ids)
-        if limit is not None and tokens > limit and not tokenized.approximate:
-            raise PromptError(
-                f"This model's maximum context length is {limit} tokens. However, your request has {tokens} input "
-                "tokens. Please reduce the length of the input.",
-                "messages" if endpoint == "chat" else "prompt", "context_length_exceeded",
-            )
-
     def route_passthrough(self, model: str) -> Decision:
         """Least-loaded choice for requests with no prompt to match (embeddings)."""
         names = self.candidates(model)
@@ -348,7 +342,7 @@ class Router:
         predicted = self.predict(routed, replica)
         session_id = routed.request.session_id
         if session_id:
-            self.sessions.remember(routed.cache_salt, session_id, replica)
+            self.sessions.remember(routed.request.tenant, routed.cache_salt, session_id, replica)
         return predicted
 
     def predict(self, routed: Routed, replica: str) -> bool:
@@ -367,3 +361,15 @@ class Router:
         for routing in self._models.values():
             if routing.calibrator is not None:
                 routing.cost_model.prefill = routing.calibrator.current()
+
+
+def _check_length(limit: int | None, tokenized: TokenizedPrompt, endpoint: Endpoint) -> None:
+    """A prompt longer than the model takes (``limit`` tokens) is a 400 here, as the engine would answer
+    (approximate counts are not exact enough to refuse on)."""
+    tokens = len(tokenized.token_ids)
+    if limit is not None and tokens > limit and not tokenized.approximate:
+        raise PromptError(
+            f"This model's maximum context length is {limit} tokens. However, your request has {tokens} input "
+            "tokens. Please reduce the length of the input.",
+            "messages" if endpoint == "chat" else "prompt", "context_length_exceeded",
+        )
