@@ -74,19 +74,34 @@ class ConfigError(Exception):
     """A policy file that cannot be used; the message names the field and the problem."""
 
 
+SECRET_KEYED_FIELDS = frozenset({"api_keys"})
+"""Mappings whose keys are secrets (``tenants.api_keys``: API key → tenant): an error names the entry, never the key."""
+
+
 def format_validation_error(err: ValidationError) -> str:
+    """The fields at fault and what is wrong, never a value: pydantic's message (which does not quote the input) and
+    its ``loc`` with the keys of :data:`SECRET_KEYED_FIELDS` masked."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        parts.append(f"{loc}: {e['msg']}")
+        path: list[str] = []
+        for i, p in enumerate(e["loc"]):
+            path.append("<key>" if i and str(e["loc"][i - 1]) in SECRET_KEYED_FIELDS else str(p))
+        parts.append(f"{'.'.join(path) or '<root>'}: {e['msg']}")
     return "; ".join(parts)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """Where and what, without the source line PyYAML quotes (it may hold a token or the salt secret)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or type(err).__name__
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def parse_config(text: str, source: str = "<policy file>") -> KvgateConfig:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from e
+        raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level must be a mapping")
     try:

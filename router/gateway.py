@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import secrets
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -34,7 +34,7 @@ from kvgate.router.fleet.state import Fleet, FleetListener, Replica
 from kvgate.router.http.auth import Credentials, peer_token
 from kvgate.router.http.bodies import read_body
 from kvgate.router.http.errors import ApiError
-from kvgate.router.http.explain import explain_body
+from kvgate.router.http.explain import explain_body, tenant_view
 from kvgate.router.http.tenants import TenantResolver
 from kvgate.router.ops.logs import RequestLogger
 from kvgate.router.ops.metrics import (
@@ -390,7 +390,8 @@ class Gateway:
             admission.tenant = resolve_tenant(self.tenants, admission.client.authorization)
             check_client_ids(admission.client, self.config.limits)
             raw = await read_within_limits(request, self.config.server, self.config.limits)
-            parsed = salt_for_tenant(parse(raw, self.router), self.tenants, admission.tenant)
+            parsed = salt_for_tenant(parse(raw, self.router, self._may_use(admission.tenant)), self.tenants,
+                                     admission.tenant)
             prompt = await tokenize(self.router, endpoint, parsed)
             routed = route(self.router, prompt, admission)
         except ApiError as e:
@@ -419,7 +420,7 @@ class Gateway:
             admission.tenant = resolve_tenant(self.tenants, admission.client.authorization)
             check_client_ids(admission.client, self.config.limits)
             raw = await read_within_limits(request, self.config.server, self.config.limits)
-            parsed = parse(raw, self.router)
+            parsed = parse(raw, self.router, self._may_use(admission.tenant))
             with routing_errors():
                 decision = self.router.route_passthrough(parsed.model)
         except ApiError as e:
@@ -442,10 +443,16 @@ class Gateway:
                             "x-kvgate-decision": decision.reason})
         return Response(up.body, status_code=up.status, headers=out_headers)
 
-    def require_caller(self, client: ClientHeaders) -> None:
-        """Who may send requests may also list models: with tenants, a tenant key or the admin token (else 401)."""
-        if not self.credentials.is_admin(client.authorization):
-            resolve_tenant(self.tenants, client.authorization)
+    def _may_use(self, tenant: str | None) -> Callable[[str], bool]:
+        """Which models ``tenant`` may use (``tenants.models``)."""
+        return functools.partial(self.tenants.may_use, tenant)
+
+    def require_caller(self, client: ClientHeaders) -> tuple[str | None, bool]:
+        """Who may send requests may also list models: with tenants, a tenant key or the admin token (else 401).
+        The caller's tenant, and whether it is the admin."""
+        if self.credentials.is_admin(client.authorization):
+            return None, True
+        return resolve_tenant(self.tenants, client.authorization), False
 
     def may_call(self, client: ClientHeaders) -> bool:
         try:
@@ -453,6 +460,15 @@ class Gateway:
         except ApiError:
             return False
         return True
+
+    def models_for(self, client: ClientHeaders) -> list[dict[str, Any]]:
+        """``/v1/models`` as the caller may see it: the admin every model as the engines list them; anyone else only
+        the models and adapters its tenant may use, without the engines' filesystem paths (``root``)."""
+        tenant, admin = self.require_caller(client)
+        models = self.fleet.models()
+        if admin:
+            return models
+        return [{k: v for k, v in m.items() if k != "root"} for m in models if self.tenants.may_use(tenant, m["id"])]
 
     @property
     def credentials(self) -> Credentials:
@@ -464,7 +480,8 @@ class Gateway:
 
         The admin token sees everything, in the namespace of the tenant named by ``X-Kvgate-Tenant`` (none: requests
         without a tenant). Otherwise explain answers whoever may send requests: with tenants, a tenant key, in that
-        tenant's own namespace and without ``route_ms`` (tokenizing and looking up time other tenants' work too)."""
+        tenant's own namespace and without any figure that moves with other tenants' traffic
+        (:func:`~kvgate.router.http.explain.tenant_view`)."""
         if self.credentials.is_admin(client.authorization):
             return headers.get("x-kvgate-tenant") or None, True
         tenant = resolve_tenant(self.tenants, client.authorization)
@@ -477,15 +494,13 @@ class Gateway:
         admission.tenant, full = self._explain_caller(admission.client, request.headers)
         check_client_ids(admission.client, self.config.limits)
         raw = await read_within_limits(request, self.config.server, self.config.limits)
-        parsed = salt_for_tenant(parse(raw, self.router), self.tenants, admission.tenant)
+        may_use = (lambda model: True) if full else self._may_use(admission.tenant)
+        parsed = salt_for_tenant(parse(raw, self.router, may_use), self.tenants, admission.tenant)
         endpoint: Endpoint = "chat" if "messages" in parsed.body else "completions"
         prompt = await tokenize(self.router, endpoint, parsed)
         routed = route(self.router, prompt, admission, explain=True)
         explained = explain_body(routed, self.config.policy.name, self.index.generation)
-        if not full:
-            del explained["route_ms"]
-            explained["cost_model"]["calibration"] = None
-        return explained
+        return explained if full else tenant_view(explained)
 
     async def ingest_events(self, request: Request) -> dict[str, Any]:
         """KV events over HTTP, for engines that cannot reach kvgate over ZMQ (same sequence rules). Off unless an

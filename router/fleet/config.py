@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -52,9 +53,7 @@ class ReplicaConfig(Section):
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return v.rstrip("/")
+        return http_base_url(v)
 
     @field_validator("kv_events", "kv_replay")
     @classmethod
@@ -65,6 +64,25 @@ class ReplicaConfig(Section):
         if match is None or (match.group(3) is not None and not 0 < int(match.group(3)) < 65536):
             raise ValueError(f"{v!r} is not a ZMQ endpoint (tcp://host:port, ipc://path or inproc://name)")
         return v
+
+
+def http_base_url(url: str) -> str:
+    """``url`` as the base of a replica's HTTP API (no trailing slash); ``ValueError`` unless it is an http(s) URL
+    with a host, a port in range if any, and no query, fragment or credentials."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # an unclosed IPv6 bracket, a port that is no number or out of range
+        raise ValueError(f"not a URL: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError("has no host")
+    if port == 0:
+        raise ValueError("port 0 is no port to connect to")
+    if parts.query or parts.fragment or parts.username is not None:
+        raise ValueError("must not have a query, a fragment or credentials")
+    return url.rstrip("/")
 
 
 PortRef = Annotated[int, Field(ge=1, le=65535)] | Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")]

@@ -1,17 +1,17 @@
-"""Operator endpoints under ``/admin``: list, add, drain and remove replicas, and reload the policy file.
+"""Operator endpoints under ``/admin``: list, add, drain, undrain and remove replicas, and reload the policy file.
 
 All of them need ``Authorization: Bearer <admin token>`` (``server.admin_token``, or env ``KVGATE_ADMIN_TOKEN``; see
 :mod:`router.http.auth`); with no token configured the admin surface does not exist (404), so a forgotten setting never
 leaves it open. Bodies are
 read and validated here rather than by FastAPI's parameter binding, so the token is checked before anything about the
-body is revealed, and errors come back in OpenAI's shape like every other kvgate error.
+body is revealed, within the same deadline as every body and :data:`MAX_ADMIN_BODY_BYTES`, and errors come back in
+OpenAI's shape like every other kvgate error.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
@@ -20,8 +20,12 @@ from kvgate.router.config import format_validation_error
 from kvgate.router.fleet.config import ReplicaConfig
 from kvgate.router.fleet.state import Fleet, Replica
 from kvgate.router.http.auth import Credentials
+from kvgate.router.http.bodies import parse_body, read_body
 from kvgate.router.http.errors import ApiError
 from kvgate.router.ops.reload import ConfigHolder
+
+MAX_ADMIN_BODY_BYTES = 65536
+"""An admin body is one replica's settings: far less than this."""
 
 
 def build_admin_router(fleet: Fleet, holder: ConfigHolder) -> APIRouter:
@@ -45,10 +49,9 @@ def build_admin_router(fleet: Fleet, holder: ConfigHolder) -> APIRouter:
     @router.post("/replicas")
     async def add_replica(request: Request) -> JSONResponse:
         authorize(request)
+        raw = await read_body(request, MAX_ADMIN_BODY_BYTES, holder.current.server.body_timeout_s, None)
         try:
-            cfg = ReplicaConfig.model_validate(msgspec.json.decode(await request.body()))
-        except msgspec.DecodeError as e:
-            raise ApiError(400, f"Body is not valid JSON: {e}", code="invalid_json") from e
+            cfg = ReplicaConfig.model_validate(parse_body(raw))
         except ValidationError as e:
             raise ApiError(422, format_validation_error(e), code="invalid_value") from e
         try:
@@ -62,6 +65,13 @@ def build_admin_router(fleet: Fleet, holder: ConfigHolder) -> APIRouter:
         authorize(request)
         replica = replica_or_404(name)
         fleet.drain(name)
+        return JSONResponse(replica_status(fleet, replica))
+
+    @router.post("/replicas/{name}/undrain")
+    async def undrain_replica(name: str, request: Request) -> JSONResponse:
+        authorize(request)
+        replica = replica_or_404(name)
+        fleet.undrain(name)
         return JSONResponse(replica_status(fleet, replica))
 
     @router.delete("/replicas/{name}")

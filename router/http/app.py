@@ -103,8 +103,7 @@ def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        gateway.require_caller(ClientHeaders.of(request.scope))
-        return json_response({"object": "list", "data": gateway.fleet.models()})
+        return json_response({"object": "list", "data": gateway.models_for(ClientHeaders.of(request.scope))})
 
     @app.get("/health")
     async def health() -> Response:

@@ -90,6 +90,10 @@ class TenantsConfig(Section):
     salt_secret_file: str | None = None
     """File holding the salt secret (e.g. a mounted Kubernetes Secret; surrounding whitespace ignored), re-read on
     reload; used when salt_secret is unset."""
+    models: dict[str, list[str]] = Field(default_factory=dict)
+    """Tenant → the models and LoRA adapters it may use (names or shell-style patterns such as ``llama-*``):
+    ``/v1/models`` lists only those, and a request naming another gets the same 404 as a model that does not exist.
+    A tenant not listed here may use every model."""
 
     @property
     def enabled(self) -> bool:

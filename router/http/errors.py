@@ -88,6 +88,16 @@ async def _validation_error(_: Request, exc: Exception) -> Response:
     return ApiError(422, message, param=".".join(loc) or None, code="invalid_value").response()
 
 
+def as_json_error(status: int, body: bytes, content_type: str | None) -> tuple[bytes, str]:
+    """An engine's error answer as the client gets it: as the engine sent it when it is JSON (vLLM's and SGLang's
+    own error shapes are OpenAI's), else kvgate's OpenAI-style error naming the status (an engine's plain-text 500
+    says nothing a client can use, and may say what it should not)."""
+    if content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json":
+        return body, content_type
+    err = ApiError(status, f"the upstream replica answered {status}", code="upstream_error")
+    return err.encoded(), "application/json"
+
+
 def unexpected_error(exc: BaseException) -> Response:
     """A bug on the request path: logged with its traceback, answered as an OpenAI-style 500."""
     log.exception("unhandled error on the request path", exc_info=exc)

@@ -1,5 +1,5 @@
 """The body of ``POST /kvgate/v1/explain``: a request routed with ``explain=True``, laid out as the decision and the
-numbers behind it, per replica."""
+numbers behind it, per replica; and the part of it a tenant may see (:func:`tenant_view`)."""
 
 from __future__ import annotations
 
@@ -68,4 +68,23 @@ def explain_body(routed: Routed, policy: str, generation_of: Callable[[str], int
             "calibration": None if calibrator is None else dataclasses.asdict(calibrator.state()),
         },
         "route_ms": round(routed.route_ms, 3),
+    }
+
+
+TENANT_REPLICA_FIELDS = ("name", "role", "block_size", "healthy", "draining", "can_source", "generation",
+                         "cached_tokens")
+"""What a tenant sees of each replica: its state and what the tenant's own namespace holds there. Every load figure
+(queues, requests and tokens in flight, free cache room, arrival rates, predicted TTFT) moves with other tenants'
+traffic: a tenant polling them learned another's prompt sizes and hit pattern."""
+TENANT_DECISION_FIELDS = ("replica", "action", "reason", "source", "ranked")
+
+
+def tenant_view(explained: dict[str, Any]) -> dict[str, Any]:
+    """``explained`` as a tenant (not the admin) may see it: the decision and its own cached tokens per replica, no
+    figure that moves with another tenant's traffic (load, calibration, ``route_ms``)."""
+    decision = explained["decision"]
+    return {
+        **{k: v for k, v in explained.items() if k not in ("decision", "replicas", "cost_model", "route_ms")},
+        "decision": {k: decision[k] for k in TENANT_DECISION_FIELDS},
+        "replicas": [{k: row[k] for k in TENANT_REPLICA_FIELDS} for row in explained["replicas"]],
     }

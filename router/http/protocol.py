@@ -68,7 +68,8 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._reading_headers = True
         self._header_bytes = 0
         self._header_count = 0
-        self._message_complete = True
+        self._body_pending: Any = None
+        """The request cycle whose body has not arrived in full (only the latest request can be one)."""
         self._lingering = False
 
     # asyncio protocol callbacks
@@ -112,7 +113,6 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._reading_headers = True
         self._header_bytes = 0
         self._header_count = 0
-        self._message_complete = False
         if self._deadline is None:  # a fresh connection's header deadline is already armed
             self._arm(self.header_timeout_s, self._headers_timed_out)
 
@@ -126,14 +126,16 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._reading_headers = False
         self._arm(self.body_timeout_s + BODY_GRACE_S, self._body_timed_out)
         super().on_headers_complete()
+        self._body_pending = self.cycle
 
     def on_message_complete(self) -> None:
-        self._message_complete = True
+        self._body_pending = None
         self._disarm()
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        if self._message_complete or self.transport.is_closing():
+        pending = self._body_pending
+        if pending is None or not pending.response_complete or self.transport.is_closing():
             super().on_response_complete()
             return
         # Answered before the body arrived in full: nothing more is read from this connection.

@@ -15,6 +15,7 @@ tenant's cache starts cold once.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
 import json
@@ -55,6 +56,7 @@ class TenantResolver:
         self._digests = digests
         self.enabled = config.enabled
         self._salt_key = salt_secret(config, environ) if self.enabled else b""
+        self._models = {tenant: tuple(patterns) for tenant, patterns in config.models.items()}
 
     def resolve(self, authorization: str | None) -> str | None:
         """The tenant of an ``Authorization: Bearer <key>`` header; None when auth is off."""
@@ -73,6 +75,12 @@ class TenantResolver:
         if tenant is None:
             raise AuthError("Incorrect API key provided.")
         return tenant
+
+    def may_use(self, tenant: str | None, model: str) -> bool:
+        """Whether ``tenant`` may use ``model`` (a base model or a LoRA adapter): every model, unless
+        ``tenants.models`` lists the tenant's."""
+        patterns = self._models.get(tenant) if tenant is not None else None
+        return patterns is None or any(fnmatch.fnmatchcase(model, pattern) for pattern in patterns)
 
     def cache_salt(self, tenant: str | None, client_salt: str | None) -> str | None:
         """The ``cache_salt`` to send upstream.

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from kvgate.cache_index.config import Section
-from kvgate.router.fleet.config import ZMQ_ENDPOINT, DnsDiscoveryConfig, PortRef
+from kvgate.router.fleet.config import ZMQ_ENDPOINT, DnsDiscoveryConfig, PortRef, http_base_url
 
 
 class HintsConfig(Section):
@@ -68,10 +68,7 @@ class PeersConfig(Section):
     @field_validator("urls")
     @classmethod
     def _http_urls(cls, v: list[str]) -> list[str]:
-        for url in v:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r}: must start with http:// or https://")
-        return [url.rstrip("/") for url in v]
+        return [http_base_url(url) for url in v]
 
     @model_validator(mode="after")
     def _ports(self) -> "PeersConfig":

@@ -7,7 +7,7 @@ import time
 
 from starlette.responses import Response
 
-from kvgate.router.http.errors import ApiError
+from kvgate.router.http.errors import ApiError, as_json_error
 from kvgate.router.ops.logs import RequestLogger
 from kvgate.router.ops.metrics import GatewayMetrics, prefill_avoided_ms
 from kvgate.router.pipeline.admit import Admission
@@ -46,8 +46,8 @@ class Accounting:
         headers = {"x-request-id": admission.request_id, "x-kvgate-decision": routed.decision.reason}
         if failed.status is not None:
             status = failed.status
-            response = Response(failed.body, status_code=status, headers=headers,
-                                media_type=failed.headers.get("Content-Type", "application/json"))
+            body, media_type = as_json_error(status, failed.body, failed.headers.get("content-type"))
+            response = Response(body, status_code=status, headers=headers, media_type=media_type)
         else:
             err = failed.to_api_error()
             status = err.status

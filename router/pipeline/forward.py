@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvgate.router.fleet.state import Fleet
+from kvgate.router.http.errors import as_json_error
 from kvgate.router.pipeline.parse import Parsed
 from kvgate.router.routing.handoff import HandoffRequest, Handoffs
 from kvgate.router.routing.replication import Replication
@@ -121,4 +122,7 @@ def relay(up: Upstream, routed: Routed, request_id: str, stream: bool, finished:
         return RelayResponse(relay_stream(up, on_end), status_code=up.status, headers=headers)
     up.settle()
     finished(up, None)
+    if up.status >= 400:
+        body, headers["content-type"] = as_json_error(up.status, up.body, headers.get("content-type"))
+        return Response(body, status_code=up.status, headers=headers)
     return Response(up.body, status_code=up.status, headers=headers)

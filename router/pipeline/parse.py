@@ -3,6 +3,7 @@ its cache salt the tenant's own."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,18 +28,20 @@ class Parsed:
     cache_salt: str | None
 
 
-def parse(raw: bytes, router: Router) -> Parsed:
-    """Not a JSON object, without a model, naming a model no replica serves, or setting a field that steers the
-    engine (:data:`~kvgate.router.http.bodies.ENGINE_STEERING_FIELDS`) is an :class:`ApiError`."""
+def parse(raw: bytes, router: Router, may_use: Callable[[str], bool] = lambda model: True) -> Parsed:
+    """Not a JSON object, without a model, naming a model no replica serves or the caller may not use (``may_use``),
+    or setting a field that steers the engine (:data:`~kvgate.router.http.bodies.ENGINE_STEERING_FIELDS`) is an
+    :class:`ApiError`."""
     body = parse_body(raw)
     refuse_engine_steering(body)
     model = required_model(body)
-    check_model(model, router)
+    check_model(model, router, may_use)
     return Parsed(raw, body, model, wants_stream(body), client_salt(body))
 
 
-def check_model(model: str, router: Router) -> None:
-    if router.knows_model(model):
+def check_model(model: str, router: Router, may_use: Callable[[str], bool]) -> None:
+    """A model the caller may not use gets the same 404 as one that does not exist: nothing says it does."""
+    if router.knows_model(model) and may_use(model):
         return
     if not router.fleet.routable():
         raise ApiError(503, "no routable replica", code="no_replica")

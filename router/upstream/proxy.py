@@ -86,7 +86,8 @@ class AttemptFailed(Exception):
         self.cause = cause
         self.status = status
         self.body = body
-        self.headers = dict(headers or {})
+        self.headers = {k.lower(): v for k, v in (headers or {}).items()}
+        """The engine's answer's headers, names in lower case."""
 
     def to_api_error(self) -> ApiError:
         if self.cause == "timeout":

@@ -102,3 +102,49 @@ def test_admin_reload_answers_400_and_keeps_serving(sim: Sim, tmp_path: Path) ->
         assert "kvgate_config_reloads_rejected_total 3.0" in metrics.splitlines()
     finally:
         gw.stop()
+
+
+TOKEN = "adm-3f9c"  # short enough for PyYAML to quote it whole
+SALT = "salt-secret-never-shown-7d2e1a"
+LEAKY = {
+    "a YAML syntax error on a token's line": f"server: {{admin_token: {TOKEN}\nreplicas: [\n",
+    "a YAML error right after the salt secret": f"tenants:\n  salt_secret: '{SALT}\n  api_keys: {{}}\n",
+    "an API key whose tenant is not a name": "replicas: [{name: a, url: 'http://127.0.0.1:9'}]\n"
+                                             f"tenants: {{api_keys: {{{TOKEN}: [1]}}, salt_secret: {SALT}}}\n",
+}
+
+
+@pytest.mark.parametrize("name", list(LEAKY))
+def test_config_errors_name_the_place_never_a_secret(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(LEAKY[name])
+    with pytest.raises(ConfigError) as caught:
+        ConfigHolder(path)
+    message = str(caught.value)
+    assert TOKEN not in message and SALT not in message, message
+    assert "line" in message or "api_keys.<key>" in message, message
+
+
+@pytest.mark.integration
+def test_a_rejected_reload_shows_no_secret_in_its_answer_or_the_log(sim: Sim, tmp_path: Path) -> None:
+    path = gateway_config(sim, tmp_path, "kvgate.yaml", server={"admin_token": "secret"},
+                          tenants={"api_keys": {"key-a": "a"}, "salt_secret": SALT})
+    gw = start_kvgate(tmp_path, path)
+    try:
+        good = path.read_text()
+        path.write_text(good.replace(f"salt_secret: {SALT}", f"salt_secret: '{SALT}"))  # an unclosed quote
+        response = httpx.post(gw.url + "/admin/reload", headers={"Authorization": "Bearer secret"}, timeout=30)
+        error = assert_openai_error(response, 400, "config_rejected")
+        assert SALT not in error["message"] and "line" in error["message"]
+        assert SALT not in gw.process.output()
+    finally:
+        gw.stop()
+
+
+@pytest.mark.integration
+def test_kvgate_serve_shows_no_secret_when_the_file_does_not_parse(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(LEAKY["a YAML syntax error on a token's line"])
+    done = subprocess.run([*KVGATE, "serve", "--config", str(path), "--port", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and TOKEN not in done.stderr + done.stdout, done.stderr

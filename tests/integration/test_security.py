@@ -156,7 +156,7 @@ def test_explain_needs_a_key_and_shows_a_tenant_only_its_own_namespace(secured: 
     assert held(ADMIN, **{"x-kvgate-tenant": "alice"}) > 0
     assert held(BOB, **{"x-kvgate-tenant": "alice"}) == 0  # the header means nothing without the admin token
     as_tenant = explain(secured, prompt, ALICE).json()
-    assert "route_ms" not in as_tenant and as_tenant["cost_model"]["calibration"] is None
+    assert "route_ms" not in as_tenant and "cost_model" not in as_tenant  # nothing fitted on other tenants
     assert "route_ms" in explain(secured, prompt, ADMIN).json()
 
 
