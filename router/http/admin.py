@@ -60,18 +60,14 @@ def build_admin_router(fleet: Fleet, holder: ConfigHolder) -> APIRouter:
             raise ApiError(409, str(e), param="name", code="replica_exists") from e
         return JSONResponse(replica_status(fleet, replica), status_code=201)
 
-    @router.post("/replicas/{name}/drain")
-    async def drain_replica(name: str, request: Request) -> JSONResponse:
+    @router.post("/replicas/{name}/{action}")
+    async def drain_or_undrain(name: str, action: str, request: Request) -> JSONResponse:
+        """``drain``: no new requests go to the replica; ``undrain``: they may again."""
         authorize(request)
+        if action not in ("drain", "undrain"):
+            raise ApiError(404, f"No admin action {action!r}.", code="not_found")
         replica = replica_or_404(name)
-        fleet.drain(name)
-        return JSONResponse(replica_status(fleet, replica))
-
-    @router.post("/replicas/{name}/undrain")
-    async def undrain_replica(name: str, request: Request) -> JSONResponse:
-        authorize(request)
-        replica = replica_or_404(name)
-        fleet.undrain(name)
+        (fleet.drain if action == "drain" else fleet.undrain)(name)
         return JSONResponse(replica_status(fleet, replica))
 
     @router.delete("/replicas/{name}")
