@@ -35,11 +35,8 @@ from pathlib import Path
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from kvgate.loadgen.bench import free_port_block  # noqa: E402
-from tests.support import KVGATE, ManagedProcess  # noqa: E402
+from kvgate.loadgen.bench import KVGATE, free_port_block
+from kvgate.loadgen.procs import ChildProcess
 
 MODEL = "kvgate-sim"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -89,7 +86,7 @@ def run_bare_proxy(port: int, upstream: str) -> None:
 class Target:
     name: str
     url: str
-    process: ManagedProcess | None
+    process: ChildProcess | None
 
     def cpu_seconds(self) -> float:
         """utime + stime of every process in the target's process group (0 for the direct target)."""
@@ -110,11 +107,11 @@ class Target:
         return total / CLK_TCK
 
 
-def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tuple[ManagedProcess, list[Target]]:
+def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tuple[ChildProcess, list[Target]]:
     sim_port, zmq_port = free_port_block(1), free_port_block(2)
     fleet = tmp / "fleet.yaml"
-    sim = ManagedProcess(
-        [*KVGATE, "sim", "--replicas", "1", "--port", str(sim_port), "--zmq-port", str(zmq_port), "--time-scale", "0",
+    sim = ChildProcess(
+        "kvgate sim", [*KVGATE, "sim", "--replicas", "1", "--port", str(sim_port), "--zmq-port", str(zmq_port), "--time-scale", "0",
          "--max-model-len", "200000", "--kv-blocks", "32768", "--write-config", str(fleet)],
         tmp / "sim.log",
     ).start()
@@ -123,26 +120,26 @@ def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tu
     targets = [Target("direct", sim_url, None)]
 
     bare_port = free_port_block(1)
-    bare = ManagedProcess([sys.executable, __file__, "bare-proxy", "--port", str(bare_port), "--upstream", sim_url],
-                          tmp / "bare.log").start()
+    bare = ChildProcess("bare proxy", [sys.executable, __file__, "bare-proxy", "--port", str(bare_port), "--upstream",
+                        sim_url], tmp / "bare.log").start()
     targets.append(Target("bare-proxy", f"http://127.0.0.1:{bare_port}", bare))
 
     kv_port = free_port_block(1)
-    kvgate = ManagedProcess([*KVGATE, "serve", "--config", str(fleet), "--port", str(kv_port)],
-                            tmp / "kvgate.log").start()  # as deployed: one JSON log line per request
+    kvgate = ChildProcess("kvgate", [*KVGATE, "serve", "--config", str(fleet), "--port", str(kv_port)],
+                          tmp / "kvgate.log").start()  # as deployed: one JSON log line per request
     targets.append(Target("kvgate", f"http://127.0.0.1:{kv_port}", kvgate))
 
     if compare_tree is not None:
         old_port = free_port_block(1)
         # The other tree runs from its own environment (`./dev.sh` there makes it), whatever its import layout.
-        old = ManagedProcess([str(compare_tree / ".venv" / "bin" / "kvgate"), "serve", "--config", str(fleet),
-                              "--port", str(old_port)], tmp / "kvgate-compare.log").start()
+        old = ChildProcess("kvgate (compared)", [str(compare_tree / ".venv" / "bin" / "kvgate"), "serve", "--config",
+                           str(fleet), "--port", str(old_port)], tmp / "kvgate-compare.log").start()
         targets.append(Target(f"kvgate@{compare_tree.name}", f"http://127.0.0.1:{old_port}", old))
 
     if with_sglang:
         sg_port, sg_metrics = free_port_block(1), free_port_block(1)
-        sglang = ManagedProcess(
-            [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", sim_url, "--policy", "cache_aware",
+        sglang = ChildProcess(
+            "sglang gateway", [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", sim_url, "--policy", "cache_aware",
              "--host", "127.0.0.1", "--port", str(sg_port), "--prometheus-port", str(sg_metrics), "--log-level",
              "error"],
             tmp / "sglang.log",

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from kvgate.loadgen.bench import KVGATE, Child, free_port_block
+from kvgate.loadgen.bench import KVGATE, free_port_block
+from kvgate.loadgen.procs import ChildProcess
 
 MODEL = "kvgate-sim"
 PEER_TOKEN = "bench-restart-peer-token"
@@ -30,9 +31,9 @@ def document(i: int, words: int) -> str:
     return " ".join(f"doc{i}-{rng.randrange(10_000)}" for _ in range(words))
 
 
-def start_gateway(config: Path, out: Path, name: str) -> Child:
+def start_gateway(config: Path, out: Path, name: str) -> ChildProcess:
     port = free_port_block(1)
-    gw = Child(name, [*KVGATE, "serve", "--config", str(config), "--port", str(port)], out / f"{name}.log")
+    gw = ChildProcess(name, [*KVGATE, "serve", "--config", str(config), "--port", str(port)], out / f"{name}.log")
     gw.start()
     gw.url = f"http://127.0.0.1:{port}"
     return gw
@@ -81,7 +82,7 @@ class Traffic:
                     self.records.append((time.monotonic(), name, usage["prompt_tokens"], cached))
 
 
-def ready_after(gw: Child, since: float, timeout_s: float) -> float:
+def ready_after(gw: ChildProcess, since: float, timeout_s: float) -> float:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -97,13 +98,13 @@ def one_restart(args: argparse.Namespace, out: Path, warm: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     http_port, zmq_port = free_port_block(args.replicas), free_port_block(2 * args.replicas)
     fleet_config = out / "fleet.yaml"
-    sim = Child("sim", [*KVGATE, "sim", "--replicas", str(args.replicas), "--port", str(http_port), "--zmq-port",
+    sim = ChildProcess("sim", [*KVGATE, "sim", "--replicas", str(args.replicas), "--port", str(http_port), "--zmq-port",
                         str(zmq_port), "--time-scale", "0", "--replay-buffer-steps", str(args.replay_buffer_steps),
                         "--write-config", str(fleet_config)], out / "sim.log")
     children = [sim.start()]
     try:
         for i in range(args.replicas):
-            sim.wait_ready(f"http://127.0.0.1:{http_port + i}/health", 60)
+            sim.wait_http(f"http://127.0.0.1:{http_port + i}/health", 60)
         while not fleet_config.exists():
             time.sleep(0.05)
         a = start_gateway(config_for(fleet_config, out, "a", []), out, "a")

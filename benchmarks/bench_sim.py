@@ -16,11 +16,8 @@ from pathlib import Path
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from kvgate.loadgen.bench import free_port_block  # noqa: E402
-from tests.support import KVGATE, ManagedProcess  # noqa: E402
+from kvgate.loadgen.bench import KVGATE, free_port_block
+from kvgate.loadgen.procs import ChildProcess
 
 
 async def drive(urls: list[str], concurrency: int, warmup_s: float, seconds: float, max_tokens: int) -> None:
@@ -65,8 +62,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=4)
     args = parser.parse_args()
     http_port, zmq_port = free_port_block(args.replicas), free_port_block(2 * args.replicas)
-    sim = ManagedProcess(
-        [*KVGATE, "sim", "--replicas", str(args.replicas), "--port", str(http_port), "--zmq-port", str(zmq_port),
+    sim = ChildProcess(
+        "kvgate sim", [*KVGATE, "sim", "--replicas", str(args.replicas), "--port", str(http_port), "--zmq-port", str(zmq_port),
          "--time-scale", "0"],
         Path("/tmp") / f"bench-sim-{http_port}.log",
     ).start()

@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import random
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -42,6 +40,7 @@ from rich.console import Console
 
 from kvgate.loadgen.cli import add_workload_arguments, drive, load_workload, run_config
 from kvgate.loadgen.plots import write_plots
+from kvgate.loadgen.procs import ChildProcess
 from kvgate.loadgen.report import (
     CANDIDATE, Repeat, RepeatedComparison, compare, print_table, schedule_warning, summarize, write_repeated_results,
     write_results,
@@ -101,70 +100,9 @@ def free_port_block(n: int) -> int:
     raise RuntimeError(f"no block of {n} free ports on 127.0.0.1")
 
 
-@dataclass
-class Child:
-    """A subprocess in its own session (process group), logging to a file, stopped by PID."""
-
-    name: str
-    args: list[str]
-    log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
-    url: str = ""
-    """Where it serves, once ready (gateways)."""
-
-    def start(self) -> "Child":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait_ready(self, url: str, timeout_s: float) -> None:
-        """Poll ``url`` until it answers 200; fail early if the child exits."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited early; last output:\n{self._tail()}")
-            try:
-                if httpx.get(url, timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name}: {url} not ready after {timeout_s:.0f}s; last output:\n{self._tail()}")
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM the process group, then SIGKILL whatever is left of it (the leader included) after ``grace_s``."""
-        if self.proc is None:
-            return
-        self._signal_group(signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self._signal_group(signal.SIGKILL)
-        self.proc.wait(grace_s)
-
-    def _signal_group(self, sig: int) -> None:
-        assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def last_line(self) -> str:
-        lines = self._tail().strip().splitlines()
-        return lines[-1] if lines else ""
-
-    def _tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
-
-
 @dataclass(frozen=True)
-class Fleet:
+class BenchFleet:
+    """A simulated (or real-engine) fleet a bench run started: its policy file, its replicas and its process."""
     config_path: Path
     replica_urls: list[str]
     replica_names: list[str]
@@ -178,7 +116,7 @@ class Fleet:
 
 
 @contextmanager
-def running(child: Child) -> Iterator[Child]:
+def running(child: ChildProcess) -> Iterator[ChildProcess]:
     child.start()
     try:
         yield child
@@ -190,7 +128,7 @@ def running(child: Child) -> Iterator[Child]:
 def sim_fleet(
     args: argparse.Namespace, out_dir: Path, label: str, settings: list[str], roles: str | None = None,
     bootstrap: bool = False,
-) -> Iterator[Fleet]:
+) -> Iterator[BenchFleet]:
     """A fresh sim fleet, ready, its policy file edited by ``settings``; ``roles`` is its ``--roles`` (None: every
     replica both prefills and decodes); ``bootstrap``: its replicas also speak SGLang's P/D handoff."""
     http_port = free_port_block(args.replicas)
@@ -213,10 +151,10 @@ def sim_fleet(
         http_port, zmq_port = engines.free_ports(args.replicas), engines.free_ports(2 * args.replicas)
         cmd = engines.fleet_command(args.replicas, http_port, zmq_port, config, args.model, args.engine_args)
         ready_s = max(ready_s, engines.READY_TIMEOUT_S)
-    with running(Child(f"{label} sim", cmd, out_dir / "logs" / f"{label}-sim.log")) as sim:
+    with running(ChildProcess(f"{label} sim", cmd, out_dir / "logs" / f"{label}-sim.log")) as sim:
         urls = [f"http://127.0.0.1:{http_port + i}" for i in range(args.replicas)]
         for url in urls:
-            sim.wait_ready(url + "/health", ready_s)
+            sim.wait_http(url + "/health", ready_s)
         deadline = time.monotonic() + args.ready_timeout
         while not config.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -225,7 +163,7 @@ def sim_fleet(
         apply_settings(config, settings)
         listed = yaml.safe_load(config.read_text())["replicas"]
         assert sim.proc is not None
-        yield Fleet(config, urls, [r["name"] for r in listed], sim.proc.pid,
+        yield BenchFleet(config, urls, [r["name"] for r in listed], sim.proc.pid,
                     [r.get("role", "both") for r in listed])
 
 
@@ -308,17 +246,17 @@ def apply_settings(config: Path, settings: list[str]) -> None:
 
 @contextmanager
 def gateway(
-    args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str, label: str, config: Path | None = None
-) -> Iterator[Child]:
+    args: argparse.Namespace, out_dir: Path, fleet: BenchFleet, policy: str, label: str, config: Path | None = None
+) -> Iterator[ChildProcess]:
     """kvgate serve with ``policy`` in front of ``fleet`` (with the fleet's policy file, or ``config``); yields it
     (``url`` set) once /ready says 200. ``label`` names its log file."""
     port = free_port_block(1)
     cmd = [*KVGATE, "serve", "--config", str(config or fleet.config_path), "--host", "127.0.0.1", "--port", str(port),
            "--policy", policy, *shlex.split(args.serve_args)]
     url = f"http://127.0.0.1:{port}"
-    with running(Child(f"kvgate serve ({policy})", cmd, out_dir / "logs" / f"{label}-kvgate.log")) as gw:
+    with running(ChildProcess(f"kvgate serve ({policy})", cmd, out_dir / "logs" / f"{label}-kvgate.log")) as gw:
         try:
-            gw.wait_ready(url + "/ready", args.ready_timeout)
+            gw.wait_http(url + "/ready", args.ready_timeout)
         except RuntimeError:
             if gw.proc is not None and gw.proc.poll() == EXIT_BAD_CONFIG:
                 raise RuntimeError(f"kvgate serve refused {fleet.config_path}: {gw.last_line()}") from None
@@ -329,8 +267,8 @@ def gateway(
 
 @contextmanager
 def gateway_group(
-    args: argparse.Namespace, out_dir: Path, fleet: Fleet, policy: str, label: str
-) -> Iterator[list[Child]]:
+    args: argparse.Namespace, out_dir: Path, fleet: BenchFleet, policy: str, label: str
+) -> Iterator[list[ChildProcess]]:
     """``args.gateways`` kvgate serve processes with ``policy`` in front of the same ``fleet``, all ready; with
     ``args.hints`` they share their routing hints (``peers.hints``)."""
     labels = [label if i == 0 else f"{label}-gw{i + 1}" for i in range(args.gateways)]
@@ -370,15 +308,15 @@ def peer_metrics_args() -> list[str]:
 
 
 @contextmanager
-def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, label: str) -> Iterator[Child]:
+def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: BenchFleet, label: str) -> Iterator[ChildProcess]:
     """The SGLang Model Gateway with its cache_aware policy (default parameters) in front of ``fleet``."""
     port = free_port_block(1)
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *fleet.replica_urls,
            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), *peer_metrics_args(),
            *shlex.split(args.peer_args)]
     url = f"http://127.0.0.1:{port}"
-    with running(Child("sglang router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
-        gw.wait_ready(url + "/health", args.ready_timeout)
+    with running(ChildProcess("sglang router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
+        gw.wait_http(url + "/health", args.ready_timeout)
         gw.url = url
         yield gw
 
@@ -401,19 +339,19 @@ def sglang_pd_command(config: Path, host: str, port: int, extra: list[str]) -> l
 
 
 @contextmanager
-def sglang_pd_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, label: str) -> Iterator[Child]:
+def sglang_pd_gateway(args: argparse.Namespace, out_dir: Path, fleet: BenchFleet, label: str) -> Iterator[ChildProcess]:
     """The SGLang Model Gateway in its prefill/decode mode in front of ``fleet`` (:func:`sglang_pd_command`)."""
     port = free_port_block(1)
     cmd = sglang_pd_command(fleet.config_path, "127.0.0.1", port, shlex.split(args.peer_args))
     url = f"http://127.0.0.1:{port}"
-    with running(Child("sglang router (PD)", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
-        gw.wait_ready(url + "/health", args.ready_timeout)
+    with running(ChildProcess("sglang router (PD)", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
+        gw.wait_http(url + "/health", args.ready_timeout)
         gw.url = url
         yield gw
 
 
 @contextmanager
-def vllm_router_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, label: str) -> Iterator[Child]:
+def vllm_router_gateway(args: argparse.Namespace, out_dir: Path, fleet: BenchFleet, label: str) -> Iterator[ChildProcess]:
     """vllm-router in its P/D mode over vLLM's NixlConnector protocol (its default policies) in front of ``fleet``'s
     prefill and decode replicas."""
     port = free_port_block(1)
@@ -425,13 +363,13 @@ def vllm_router_gateway(args: argparse.Namespace, out_dir: Path, fleet: Fleet, l
         cmd += ["--decode", url]
     cmd += shlex.split(args.peer_args)
     url = f"http://127.0.0.1:{port}"
-    with running(Child("vllm-router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
-        gw.wait_ready(url + "/health", args.ready_timeout)
+    with running(ChildProcess("vllm-router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
+        gw.wait_http(url + "/health", args.ready_timeout)
         gw.url = url
         yield gw
 
 
-def attach_engine_view(records: list[RequestRecord], fleet: Fleet) -> None:
+def attach_engine_view(records: list[RequestRecord], fleet: BenchFleet) -> None:
     """Fill in what the sim replicas saw (their /sim/requests, matched by X-Request-Id): each request's TTFT and
     inter-token gaps on the model clock, and the replica that served it when the router did not say (a peer router
     sends no x-kvgate-replica header). Wall-clock latencies on a shared machine include CPU starvation of the sim
@@ -480,7 +418,7 @@ SUMMED_STATS = ("prefill_tokens_computed", "first_legs_served", "transfers_in", 
 """/sim/stats counters :func:`sim_totals` adds up over the fleet."""
 
 
-def sim_totals(fleet: Fleet) -> dict[str, float]:
+def sim_totals(fleet: BenchFleet) -> dict[str, float]:
     """What the fleet's engines did over the run, summed over its replicas (their /sim/stats): KV tokens evicted,
     prompt tokens prefilled, first legs served, KV pulled by decode replicas and requests off a replica's role.
     Evictions show what each router's copies displaced; a replica that does not answer is left out."""

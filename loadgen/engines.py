@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
+
+from kvgate.loadgen.procs import ChildProcess
 
 REPO = Path(__file__).resolve().parent.parent
 ENV_SCRIPT = REPO / "scripts" / "engines_env.sh"
@@ -128,7 +129,7 @@ class VllmReplica:
     own_group: bool = True
     env: dict[str, str] = field(default_factory=dict)
     """Environment of this replica on top of :data:`ENGINE_ENV` (e.g. its NIXL side-channel port)."""
-    proc: subprocess.Popen[bytes] | None = None
+    process: ChildProcess | None = None
 
     @property
     def url(self) -> str:
@@ -164,63 +165,35 @@ class VllmReplica:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"$ {shlex.join(self.command())}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **ENGINE_ENV, **self.env}, start_new_session=self.own_group)
+        self.process = ChildProcess(self.name, self.command(), self.log_path, env={**ENGINE_ENV, **self.env},
+                                    own_group=self.own_group).start(append=True)
         return self
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        assert self.process is not None
+        return self.process.pid
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.process is not None and self.process.alive()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until ``/v1/models`` answers 200; fails early, with the log's tail, if the process exits."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited early; last output:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name}: not ready after {timeout_s:.0f}s; last output:\n{self.tail()}")
+        assert self.process is not None
+        self.process.wait_http(self.url + "/v1/models", timeout_s, interval_s=0.2)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM (vLLM shuts its engine core down), then SIGKILL whatever is left after ``grace_s``."""
-        if self.proc is None:
-            return
-        self._signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self.kill()
+        if self.process is not None:
+            self.process.stop(grace_s)
 
     def kill(self) -> None:
         """SIGKILL, as a crash: nothing is shut down cleanly."""
-        if self.proc is None:
-            return
-        self._signal(signal.SIGKILL)
-        self.proc.wait(10.0)
-
-    def _signal(self, sig: int) -> None:
-        assert self.proc is not None
-        try:
-            if self.own_group:
-                os.killpg(self.proc.pid, sig)
-            elif self.proc.poll() is None:
-                self.proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
+        if self.process is not None:
+            self.process.kill()
 
     def tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+        return self.process.tail(chars) if self.process is not None else ""
 
 
 def make_replicas(
@@ -251,15 +224,12 @@ def start_all(replicas: list[VllmReplica], timeout_s: float = READY_TIMEOUT_S) -
 def stop_all(replicas: list[VllmReplica], grace_s: float = 10.0) -> None:
     """SIGTERM every replica at once, then SIGKILL what is left after ``grace_s``."""
     for replica in replicas:
-        if replica.proc is not None:
-            replica._signal(signal.SIGTERM)
+        if replica.process is not None:
+            replica.process.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for replica in replicas:
-        if replica.proc is not None:
-            try:
-                replica.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        if replica.process is not None:
+            replica.process.wait(max(0.1, deadline - time.monotonic()))
             replica.kill()
 
 

@@ -75,7 +75,8 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "serve": Command(_serve, "run the gateway in front of the replicas of a policy file"),
-    "demo": Command(_demo, "run kvgate on 127.0.0.1:8000 in front of an embedded 4-replica simulated fleet"),
+    "demo": Command(_demo, "run kvgate on 127.0.0.1:8000 in front of an embedded 4-replica simulated fleet",
+                    extra="sim"),
     "sim": Command(_sim, "run a simulated fleet of vLLM-compatible replicas (one process)", extra="sim"),
     "loadgen": Command(_loadgen, "drive an OpenAI-compatible endpoint with a workload and report latency and hits",
                        extra="bench"),

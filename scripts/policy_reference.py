@@ -15,9 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvgate.router.config import KvgateConfig  # noqa: E402
+from kvgate.router.config import KvgateConfig
 
 
 def _default(field) -> str:

@@ -3,12 +3,9 @@ always kill them by PID (their whole process group) when the test is done."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import asyncio
 import inspect
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +14,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import httpx
 
 from kvgate.loadgen.bench import free_port_block
+from kvgate.loadgen.procs import ChildProcess
 
 KVGATE = [sys.executable, "-m", "kvgate.router.cli"]
 REPO = Path(__file__).resolve().parent.parent
@@ -58,75 +56,13 @@ async def wait_until_async(
         await asyncio.sleep(POLL_S)
 
 
-@dataclass
-class ManagedProcess:
-    args: list[str]
-    log_path: Path
-    proc: subprocess.Popen | None = None
-
-    def start(self) -> "ManagedProcess":
-        self.log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
-        )
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_http(self, url: str, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        last: Exception | None = None
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"{self.args} exited early:\n{self.output()[-4000:]}")
-            try:
-                if httpx.get(url, timeout=1.0).status_code < 500:
-                    return
-            except httpx.HTTPError as e:
-                last = e
-            time.sleep(0.05)
-        raise TimeoutError(f"{url} not ready after {timeout}s ({last}):\n{self.output()[-4000:]}")
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            os.killpg(self.pid, sig)
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM the process group, then SIGKILL whatever is left."""
-        if self.proc is None:
-            return
-        if self.alive():
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-                self.proc.wait(timeout)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                pass
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout)
-        self.log.close()
-
-
 PROBE_TOKENS = [3] * 16
 """One block of a token no test prompt uses: what :meth:`Sim.reset_and_step` computes to make a replica publish."""
 
 
 @dataclass
 class Sim:
-    process: ManagedProcess
+    process: ChildProcess
     replicas: int
     http_port: int
     zmq_port: int
@@ -161,11 +97,11 @@ def start_sim(tmp_path: Path, replicas: int = 2, *extra: str, timeout: float = 3
         *KVGATE, "sim", "--replicas", str(replicas), "--port", str(http_port), "--zmq-port", str(zmq_port),
         "--write-config", str(config), *extra,
     ]
-    proc = ManagedProcess(args, tmp_path / f"sim-{http_port}.log").start()
+    proc = ChildProcess(f"kvgate sim :{http_port}", args, tmp_path / f"sim-{http_port}.log", cwd=REPO).start()
     sim = Sim(proc, replicas, http_port, zmq_port, config)
     try:
         for i in range(replicas):
-            proc.wait_http(sim.url(i) + "/health", timeout)
+            proc.wait_http(sim.url(i) + "/health", timeout, interval_s=POLL_S)
     except Exception:
         proc.stop()
         raise
@@ -174,7 +110,7 @@ def start_sim(tmp_path: Path, replicas: int = 2, *extra: str, timeout: float = 3
 
 @dataclass
 class Gateway:
-    process: ManagedProcess
+    process: ChildProcess
     port: int
     config_path: Path
     extra: list[str] = field(default_factory=list)
@@ -190,10 +126,10 @@ class Gateway:
 def start_kvgate(tmp_path: Path, config_path: Path, *extra: str, timeout: float = 30.0) -> Gateway:
     port = free_port_block(1)
     args = [*KVGATE, "serve", "--config", str(config_path), "--port", str(port), *extra]
-    proc = ManagedProcess(args, tmp_path / f"kvgate-{port}.log").start()
+    proc = ChildProcess(f"kvgate serve :{port}", args, tmp_path / f"kvgate-{port}.log", cwd=REPO).start()
     gw = Gateway(proc, port, config_path, list(extra))
     try:
-        proc.wait_http(gw.url + "/health", timeout)
+        proc.wait_http(gw.url + "/health", timeout, interval_s=POLL_S)
     except Exception:
         proc.stop()
         raise

@@ -505,7 +505,6 @@ class Engine:
 
     # --- applying a step -----------------------------------------------------------------------------------------
     def _apply(self, step: Step) -> None:
-        bs = self.params.block_size
         for req, n in step.prefill:
             if req.state is not State.RUNNING:
                 continue

@@ -1,23 +1,18 @@
 """``kvgate demo``: kvgate on 127.0.0.1:8000 in front of a 4-replica simulated fleet, in one command.
 
-Starts ``kvgate sim --replicas 4 --write-config <tmp>`` as a child process (its own process group, stopped by PID on
-every exit path), waits until every replica answers ``/health``, prints how to call the gateway with curl and with
+Starts ``kvgate sim --replicas 4 --write-config <tmp>`` as a child process (:class:`kvgate.loadgen.procs.ChildProcess`:
+its own process group, stopped by PID on every exit path), waits until every replica answers ``/health``, prints how to call the gateway with curl and with
 the openai SDK, then serves in the foreground until Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
+from kvgate.loadgen.procs import ChildProcess
 from kvgate.router.ops.server import EXIT_BAD_CONFIG
 
 SIM_REPLICAS = 4
@@ -51,46 +46,19 @@ Response headers x-kvgate-replica / x-kvgate-decision say where each request wen
 """
 
 
-def wait_ready(sim: subprocess.Popen[bytes], urls: list[str]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    pending = list(urls)
-    while pending:
-        if sim.poll() is not None:
-            raise RuntimeError(f"kvgate sim exited with code {sim.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"sim replicas not ready after {READY_TIMEOUT_S:.0f}s: {pending}")
-        try:
-            if httpx.get(pending[0] + "/health", timeout=1.0).status_code == 200:
-                pending.pop(0)
-                continue
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-
-
-def stop(sim: subprocess.Popen[bytes]) -> None:
-    if sim.poll() is None:
-        os.killpg(sim.pid, signal.SIGTERM)
-        try:
-            sim.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(sim.pid, signal.SIGKILL)
-            sim.wait(5)
-
-
 def run(args: argparse.Namespace) -> int:
     from kvgate.router.ops import server
 
     with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as tmp:
         config = Path(tmp) / "fleet.yaml"
-        sim = subprocess.Popen(
-            [sys.executable, "-m", "kvgate.router.cli", "sim", "--replicas", str(SIM_REPLICAS), "--port", str(args.sim_port),
-             "--zmq-port", str(args.sim_zmq_port), "--time-scale", str(args.time_scale), "--write-config",
-             str(config)],
-            start_new_session=True,
-        )
+        sim = ChildProcess("kvgate sim", [
+            sys.executable, "-m", "kvgate.router.cli", "sim", "--replicas", str(SIM_REPLICAS), "--port",
+            str(args.sim_port), "--zmq-port", str(args.sim_zmq_port), "--time-scale", str(args.time_scale),
+            "--write-config", str(config),
+        ], None).start()
         try:
-            wait_ready(sim, [f"http://127.0.0.1:{args.sim_port + i}" for i in range(SIM_REPLICAS)])
+            for i in range(SIM_REPLICAS):
+                sim.wait_http(f"http://127.0.0.1:{args.sim_port + i}/health", READY_TIMEOUT_S)
             print(usage_text(f"http://{args.host}:{args.port}", "kvgate-sim"), flush=True)
             serve_args = argparse.Namespace(
                 config=str(config), host=args.host, port=args.port, policy=args.policy, log_level="info"
@@ -101,4 +69,4 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvgate demo: {e}", file=sys.stderr)
             return 1
         finally:
-            stop(sim)
+            sim.stop(10.0)

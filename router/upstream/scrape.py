@@ -114,7 +114,6 @@ def parse_metrics(text: str, at: float) -> ScrapedLoad:
     counts: dict[str, int] = {}
     block_size: int | None = None
     num_gpu_blocks: int | None = None
-    finished: float | None = None
     started_at: float | None = None
     for line in _wanted_lines(text):
         for name, labels, value in _parse_sample_line(line):

@@ -18,7 +18,8 @@ import pytest
 
 from kvgate.loadgen.bench import free_port_block
 from tests.abuse.support import gateway_config, without_blocking_the_loop
-from tests.support import KVGATE, Gateway, ManagedProcess, Sim, start_kvgate, start_sim, wait_until
+from kvgate.loadgen.procs import ChildProcess
+from tests.support import KVGATE, Gateway, Sim, start_kvgate, start_sim, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -192,8 +193,8 @@ def test_trickling_connections_cannot_exhaust_a_small_descriptor_limit(sim: Sim,
     """The finding: with 200 file descriptors, 190 trickling connections failed every other request for 45 s."""
     config = gateway_config(sim, workdir, "fd-limited.yaml", tenants=TENANTS)
     port = free_port_block(1)
-    process = ManagedProcess(["prlimit", "--nofile=200", "--", *KVGATE, "serve", "--config", str(config),
-                              "--port", str(port)], workdir / f"kvgate-{port}.log").start()
+    process = ChildProcess("kvgate serve (200 descriptors)", ["prlimit", "--nofile=200", "--", *KVGATE, "serve",
+                           "--config", str(config), "--port", str(port)], workdir / f"kvgate-{port}.log").start()
     try:
         url = f"http://127.0.0.1:{port}"
         process.wait_http(url + "/health", 30)

@@ -4,7 +4,6 @@ and a client's are refused (400, ``forbidden_field``) before anything is forward
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx

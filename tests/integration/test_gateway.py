@@ -21,8 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.cache_index.ingest import DROP_REASONS
 from kvgate.cache_index.vllm_wire import BlockStored, KVEventBatch
+from kvgate.loadgen.procs import ChildProcess
 from tests.support import (
-    KVGATE, REPO, Gateway, ManagedProcess, Sim, free_port_block, start_kvgate, start_sim, wait_until,
+    KVGATE, REPO, Gateway, Sim, free_port_block, start_kvgate, start_sim, wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -466,8 +467,8 @@ def test_bad_policy_file_exits_2_naming_the_field(tmp_path: Path) -> None:
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_demo_serves_in_front_of_its_own_fleet_and_stops_it(tmp_path: Path, stop_signal: int) -> None:
     port, sim_port, zmq_port = free_port_block(1), free_port_block(4), free_port_block(8)
-    demo = ManagedProcess(
-        [*KVGATE, "demo", "--port", str(port), "--sim-port", str(sim_port), "--sim-zmq-port", str(zmq_port),
+    demo = ChildProcess(
+        "kvgate demo", [*KVGATE, "demo", "--port", str(port), "--sim-port", str(sim_port), "--sim-zmq-port", str(zmq_port),
          "--time-scale", "0"], tmp_path / "demo.log",
     ).start()
     try:

@@ -18,7 +18,8 @@ import yaml
 
 from kvgate.loadgen.bench import free_port_block, sglang_pd_command
 from kvgate.loadgen.sim.bootstrap import ROOM_MAX
-from tests.support import ManagedProcess, Sim, start_sim, wait_until
+from kvgate.loadgen.procs import ChildProcess
+from tests.support import Sim, start_sim, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -117,8 +118,8 @@ def test_sglang_router_pd_mode_over_the_sim(fleet: tuple[Sim, int], tmp_path) ->
     config = tmp_path / "roles.yaml"
     config.write_text(yaml.safe_dump(doc))
     port = free_port_block(1)
-    router = ManagedProcess(sglang_pd_command(config, "127.0.0.1", port, ["--policy", "round_robin"]),
-                            tmp_path / "router.log").start()
+    router = ChildProcess("sglang router", sglang_pd_command(config, "127.0.0.1", port, ["--policy", "round_robin"]),
+                          tmp_path / "router.log").start()
     try:
         router.wait_http(f"http://127.0.0.1:{port}/health", 30)
         served = stats(sim, 0)["bootstrap"]["rooms_served"]

@@ -13,7 +13,7 @@ import openai
 import pytest
 import yaml
 
-from kvgate.loadgen.bench import Fleet, attach_engine_view
+from kvgate.loadgen.bench import BenchFleet, attach_engine_view
 from kvgate.loadgen.runner import RequestRecord
 from tests.support import Sim, start_sim
 
@@ -69,7 +69,7 @@ def test_roles_in_the_policy_file_and_a_first_leg_pulled_by_a_decode_replica(sim
     # kvgate bench's engine view: the client waited for both legs; the gaps and the replica are the decode leg's.
     leg = record(sim, 0, "loadgen-0")
     seen = RequestRecord(0, "completions", None, 0.0, 0.0, 0, 0, status=200)
-    attach_engine_view([seen], Fleet(sim.config_path, [sim.url(i) for i in range(3)],
+    attach_engine_view([seen], BenchFleet(sim.config_path, [sim.url(i) for i in range(3)],
                                      ["sim-0", "sim-1", "sim-2"], sim.process.proc.pid))
     assert seen.engine_ttft_ms == pytest.approx(leg["ttft_ms"] + pulled["ttft_ms"])
     assert seen.engine_itl_ms == pulled["itl_ms"] and seen.replica == "sim-1"
