@@ -20,7 +20,7 @@ from . import faults
 from .block_hash import block_chain
 from .bootstrap import BootstrapFields, parse_fields
 from .engine import RemoteSource, SimRequest, State
-from .errors import ApiError
+from .errors import EngineError
 from .metrics import CONTENT_TYPE, render
 from .tokenizer import ChatTemplateError
 
@@ -92,7 +92,7 @@ class ReplicaApi:
             return json_response({"detail": "Method Not Allowed" if known else "Not Found"}, 405 if known else 404)
         try:
             return await route(request)
-        except ApiError as err:
+        except EngineError as err:
             self.replica.record_error(request, err)
             return json_response(err.body(), err.status, {"X-Request-Id": _request_id(request)})
         except ReplicaGone as gone:
@@ -106,7 +106,7 @@ class ReplicaApi:
     async def _check_poison(self, request: web.BaseRequest) -> None:
         poison = self.replica.poison
         if poison is not None and poison in await request.read():
-            raise ApiError("the engine failed on this request (poisoned by /sim/fault)", None, 500,
+            raise EngineError("the engine failed on this request (poisoned by /sim/fault)", None, 500,
                            "InternalServerError")
 
     async def completions(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -146,10 +146,10 @@ class ReplicaApi:
         elif "prompt" in body:
             prompt = body["prompt"]
             if not isinstance(prompt, str):
-                raise ApiError("prompt must be a string", "prompt")
+                raise EngineError("prompt must be a string", "prompt")
             ids = self.replica.model.tokenizer.encode(prompt, _bool(body, "add_special_tokens", True))
         else:
-            raise ApiError("either prompt or messages is required", "prompt")
+            raise EngineError("either prompt or messages is required", "prompt")
         strs = None
         if _bool(body, "return_token_strs", False):
             strs = [self.replica.model.tokenizer.token_text(i) for i in ids]
@@ -173,7 +173,7 @@ class ReplicaApi:
         try:
             limit = int(request.query.get("limit", "100"))
         except ValueError:
-            raise ApiError("limit must be an integer", "limit") from None
+            raise EngineError("limit must be an integer", "limit") from None
         records = list(self.replica.records)[-limit:] if limit > 0 else []
         return json_response({"requests": [r if isinstance(r, dict) else request_record(r) for r in records]})
 
@@ -197,12 +197,12 @@ class ReplicaApi:
         model = body.get("model")
         if model is None:
             if required:
-                raise ApiError("model is required", "model")
+                raise EngineError("model is required", "model")
             return
         if not isinstance(model, str):
-            raise ApiError("model must be a string", "model")
+            raise EngineError("model must be a string", "model")
         if model != self.replica.params.model:
-            raise ApiError(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
+            raise EngineError(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
 
     def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
@@ -214,12 +214,12 @@ class ReplicaApi:
             vocab = self.replica.model.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ApiError(f"Token id {bad} is out of vocabulary", "prompt")
+                raise EngineError(f"Token id {bad} is out of vocabulary", "prompt")
             ids = list(prompt)
         elif prompt is None:
-            raise ApiError("prompt is required", "prompt")
+            raise EngineError("prompt is required", "prompt")
         else:
-            raise ApiError("prompt must be a string, a list of token ids, or a batch of one of those", "prompt")
+            raise EngineError("prompt must be a string, a list of token ids, or a batch of one of those", "prompt")
         return ids
 
     def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
@@ -228,7 +228,7 @@ class ReplicaApi:
         ``documents`` and ``chat_template_kwargs``, then encoded with ``add_special_tokens`` (default false)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise ApiError("messages must be a non-empty list", "messages")
+            raise EngineError("messages must be a non-empty list", "messages")
         for message in messages:
             _check_message(message)
         tokenizer = self.replica.model.tokenizer
@@ -243,47 +243,47 @@ class ReplicaApi:
                 chat_template_kwargs=_optional(body, "chat_template_kwargs", dict),
             )
         except ChatTemplateError as e:  # a template that rejects the conversation (raise_exception, bad roles, ...)
-            raise ApiError(f"chat template error: {e}", "messages") from None
+            raise EngineError(f"chat template error: {e}", "messages") from None
         return tokenizer.encode(text, _bool(body, "add_special_tokens", False))
 
     def _generation(self, request: web.BaseRequest, body: dict[str, Any], endpoint: str, ids: list[int]) -> Generation:
         p = self.replica.params
         if not ids:
-            raise ApiError("Prompt cannot be empty", "prompt")
+            raise EngineError("Prompt cannot be empty", "prompt")
         max_tokens = body.get("max_completion_tokens") if endpoint.endswith("chat/completions") else None
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
         if type(max_tokens) is not int or max_tokens < 1:
-            raise ApiError("max_tokens must be a positive integer", "max_tokens")
+            raise EngineError("max_tokens must be a positive integer", "max_tokens")
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
-            raise ApiError("stream must be a boolean", "stream")
+            raise EngineError("stream must be a boolean", "stream")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
-            raise ApiError("stream_options must be an object", "stream_options")
+            raise EngineError("stream_options must be an object", "stream_options")
         if options is not None and not stream:
-            raise ApiError("Stream options can only be defined when `stream=True`.", "stream_options")
+            raise EngineError("Stream options can only be defined when `stream=True`.", "stream_options")
         include_usage = bool(options and options.get("include_usage"))
         salt = body.get("cache_salt")
         if salt is not None:
             if not isinstance(salt, str) or not salt:
-                raise ApiError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+                raise EngineError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
             if len(salt) > CACHE_SALT_MAX_LEN or any(c in salt for c in CACHE_SALT_FORBIDDEN):
-                raise ApiError(
+                raise EngineError(
                     f"Parameter 'cache_salt' must be at most {CACHE_SALT_MAX_LEN} characters and must not contain "
                     "'@', '/', '\\' or NUL.", "cache_salt")
         ktp = body.get("kv_transfer_params")
         if ktp is not None and not isinstance(ktp, dict):
-            raise ApiError("kv_transfer_params must be an object", "kv_transfer_params")
+            raise EngineError("kv_transfer_params must be an object", "kv_transfer_params")
         if ktp and ktp.get("do_remote_decode"):
             max_tokens = 1
         bootstrap = parse_fields(body)
         if bootstrap is not None and self.replica.bootstrap.is_prefill_leg(bootstrap):
             max_tokens = 1
         if len(ids) + max_tokens > p.max_model_len:
-            raise ApiError(
+            raise EngineError(
                 f"This model's maximum context length is {p.max_model_len} tokens. However, you requested "
                 f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion). "
                 "Please reduce the length of the messages or completion.", "input_tokens")
@@ -467,7 +467,7 @@ def _session_id(request: web.BaseRequest, body: dict[str, Any]) -> str | None:
 def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     value = body.get(key, default)
     if not isinstance(value, bool):
-        raise ApiError(f"{key} must be a boolean", key)
+        raise EngineError(f"{key} must be a boolean", key)
     return value
 
 
@@ -482,13 +482,13 @@ async def _json_body(request: web.BaseRequest) -> dict[str, Any]:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(f"request body larger than {MAX_BODY_BYTES} bytes", status=413) from None
+        raise EngineError(f"request body larger than {MAX_BODY_BYTES} bytes", status=413) from None
     try:
         body = _json_decode(raw)
     except msgspec.DecodeError as e:
-        raise ApiError(f"Invalid JSON body: {e}") from None
+        raise EngineError(f"Invalid JSON body: {e}") from None
     if not isinstance(body, dict):
-        raise ApiError("request body must be a JSON object")
+        raise EngineError("request body must be a JSON object")
     return body
 
 
@@ -496,14 +496,14 @@ def _check_message(message: Any) -> None:
     """A chat message the sim can render: a string role and text content (a string or text parts); the template
     code (:meth:`loadgen.sim.tokenizer.SimTokenizer.render_chat`) puts the parts together as vLLM does."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ApiError("each message must be an object with a string role", "messages")
+        raise EngineError("each message must be an object with a string role", "messages")
     content = message.get("content")
     if isinstance(content, list):
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError("only text content parts are supported", "messages")
+                raise EngineError("only text content parts are supported", "messages")
     elif content is not None and not isinstance(content, str):
-        raise ApiError("message content must be a string or a list of text parts", "messages")
+        raise EngineError("message content must be a string or a list of text parts", "messages")
 
 
 def _tool_dicts(tools: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -519,11 +519,11 @@ def _tool_dicts(tools: list[Any] | None) -> list[dict[str, Any]] | None:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
                 or tool.get("type", "function") != "function":
-            raise ApiError(f"tools[{i}] must be a function tool with a function name", "tools")
+            raise EngineError(f"tools[{i}] must be a function tool with a function name", "tools")
         description, parameters = function.get("description"), function.get("parameters")
         if (description is not None and not isinstance(description, str)) \
                 or (parameters is not None and not isinstance(parameters, dict)):
-            raise ApiError(f"tools[{i}].function has a bad description or parameters", "tools")
+            raise EngineError(f"tools[{i}].function has a bad description or parameters", "tools")
         tool_defer = tool.get("defer_loading")
         function_defer = function.get("defer_loading")
         dumped = {"name": function["name"], "description": description, "parameters": parameters}
@@ -541,7 +541,7 @@ def _tool_dicts(tools: list[Any] | None) -> list[dict[str, Any]] | None:
 def _optional(body: dict[str, Any], key: str, kind: type) -> Any:
     value = body.get(key)
     if value is not None and not isinstance(value, kind):
-        raise ApiError(f"{key} must be a {kind.__name__}", key)
+        raise EngineError(f"{key} must be a {kind.__name__}", key)
     return value
 
 
@@ -552,4 +552,4 @@ def _query_bool(request: web.BaseRequest, name: str) -> bool:
         return True
     if value in ("0", "false", "off", "no", "f", "n"):
         return False
-    raise ApiError(f"{name} must be a boolean", name)
+    raise EngineError(f"{name} must be a boolean", name)

@@ -28,7 +28,7 @@ import msgspec
 from aiohttp import web
 
 from .engine import RemoteSource, SimRequest, State
-from .errors import ApiError
+from .errors import EngineError
 
 if TYPE_CHECKING:
     from .fleet import Replica
@@ -63,11 +63,11 @@ def parse_fields(body: dict[str, Any]) -> BootstrapFields | None:
         return None
     host, port, room = values
     if not isinstance(host, str) or not host:
-        raise ApiError("bootstrap_host must be a non-empty string", "bootstrap_host")
+        raise EngineError("bootstrap_host must be a non-empty string", "bootstrap_host")
     if type(port) is not int or not 0 < port < 65536:
-        raise ApiError("bootstrap_port must be a port number", "bootstrap_port")
+        raise EngineError("bootstrap_port must be a port number", "bootstrap_port")
     if type(room) is not int or not 0 <= room <= ROOM_MAX:
-        raise ApiError(f"bootstrap_room must be an integer in [0, {ROOM_MAX}]", "bootstrap_room")
+        raise EngineError(f"bootstrap_room must be an integer in [0, {ROOM_MAX}]", "bootstrap_room")
     return BootstrapFields(host, port, room)
 
 
@@ -223,7 +223,7 @@ class ReplicaBootstrap:
             self.stats.rooms_failed += 1
             reason = ("the bootstrap server did not answer" if table is None
                       else f"Request {fields.room} timed out or its prefill failed in KVPoll.WaitingForInput")
-            raise ApiError(
+            raise EngineError(
                 f"Decode transfer failed for request rank=0 bootstrap_room={fields.room} with exception "
                 f"KVTransferError(bootstrap_room={fields.room}): {reason}", None, 500, "InternalServerError")
         self.stats.rooms_pulled += 1

@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 
-class ApiError(Exception):
+class EngineError(Exception):
+    """The error a simulated engine answers a request with: its HTTP status, vLLM's error type and the parameter
+    at fault."""
+
     def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "BadRequestError"):
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from .errors import ApiError
+from .errors import EngineError
 
 if TYPE_CHECKING:
     from .fleet import Replica
@@ -34,19 +34,19 @@ async def apply(replica: "Replica", body: dict[str, Any]) -> tuple[dict[str, Any
     elif action == "stall":
         seconds = body.get("seconds")
         if seconds is not None and not _number(seconds, 0):
-            raise ApiError("seconds must be a non-negative number", "seconds")
+            raise EngineError("seconds must be a non-negative number", "seconds")
         engine.stall(None if seconds is None else float(seconds))
     elif action == "unstall":
         engine.unstall()
     elif action == "drop_events":
         fraction = body.get("fraction", 1.0)
         if not _number(fraction, 0) or fraction > 1:
-            raise ApiError("fraction must be a number in [0, 1]", "fraction")
+            raise EngineError("fraction must be a number in [0, 1]", "fraction")
         publisher.drop_fraction = float(fraction)
     elif action == "delay_events":
         ms = body.get("ms", 0)
         if not _number(ms, 0):
-            raise ApiError("ms must be a non-negative number", "ms")
+            raise EngineError("ms must be a non-negative number", "ms")
         publisher.delay_s = float(ms) / 1000.0
     elif action == "disable_replay":
         publisher.replay_enabled = False
@@ -61,10 +61,10 @@ async def apply(replica: "Replica", body: dict[str, Any]) -> tuple[dict[str, Any
     elif action == "poison":
         marker = body.get("marker")
         if marker is not None and not (isinstance(marker, str) and marker):
-            raise ApiError("marker must be a non-empty string or null", "marker")
+            raise EngineError("marker must be a non-empty string or null", "marker")
         target.poison = None if marker is None else marker.encode()
     else:
-        raise ApiError(f"unknown fault action {action!r}", "action")
+        raise EngineError(f"unknown fault action {action!r}", "action")
     return {"replica": target.name, "action": action, "ok": True}, after
 
 
@@ -74,7 +74,7 @@ def _target(replica: "Replica", which: Any) -> "Replica":
     for r in replica.fleet:
         if which == r.index or which == r.name:
             return r
-    raise ApiError(f"no replica {which!r} in this fleet", "replica")
+    raise EngineError(f"no replica {which!r} in this fleet", "replica")
 
 
 def _number(value: Any, minimum: float) -> bool:

@@ -24,7 +24,7 @@ from aiohttp import web
 from .api import ReplicaApi, make_request
 from .bootstrap import ReplicaBootstrap
 from .engine import Engine, SimRequest
-from .errors import ApiError
+from .errors import EngineError
 from .metrics import metrics_registry
 from .model import SimModel
 from .params import SimParams
@@ -124,7 +124,7 @@ class Replica:
         self.publisher.reset()
         self.healthy = True
 
-    def record_error(self, request: web.BaseRequest, err: ApiError) -> None:
+    def record_error(self, request: web.BaseRequest, err: EngineError) -> None:
         self.errors += 1
         self.records.append({
             "request_id": None, "endpoint": request.path, "model": None, "stream": None, "cache_salt": None,

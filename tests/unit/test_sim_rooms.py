@@ -9,7 +9,7 @@ import pytest
 
 from kvgate.loadgen.sim.bootstrap import ROOM_MAX, BootstrapFields, RoomTable, parse_fields
 from kvgate.loadgen.sim.engine import RemoteSource
-from kvgate.loadgen.sim.errors import ApiError
+from kvgate.loadgen.sim.errors import EngineError
 
 SOURCE = RemoteSource("engine-a", "req-1")
 
@@ -33,7 +33,7 @@ def test_fields_parse() -> None:
     ({"bootstrap_host": ["h"], "bootstrap_port": [8998], "bootstrap_room": [1]}, "bootstrap_host"),
 ])
 def test_bad_fields_are_400(body: dict, param: str) -> None:
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(EngineError) as err:
         parse_fields(body)
     assert err.value.status == 400 and err.value.param == param
 
