@@ -11,23 +11,25 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
-from . import faults
 from .block_hash import block_chain
-from .bootstrap import BootstrapFields, parse_fields
+from .bootstrap import BootstrapFields, ReplicaBootstrap, parse_fields
 from .engine import RemoteSource, SimRequest, State
 from .errors import EngineError
 from .metrics import CONTENT_TYPE, render
+from .replica import SimReplica
 from .tokenizer import ChatTemplateError
 
-if TYPE_CHECKING:
-    from .fleet import Replica
-
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+AfterAnswer = Callable[[], Awaitable[None]]
+ApplyFault = Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], AfterAnswer | None]]]
+"""``/sim/fault``'s work (``loadgen.sim.faults.apply`` for this replica): a fault's body in; the answer out and, when
+the fault must wait until the answer is sent, what to run then."""
 
 JSON = "application/json"
 MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -70,8 +72,18 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 class ReplicaApi:
-    def __init__(self, replica: "Replica") -> None:
+    """The request handler of one replica's HTTP listener, over its state, its bootstrap side (SGLang's P/D legs)
+    and its metrics registry; ``stats`` answers ``/sim/stats`` and ``apply_fault`` ``/sim/fault``."""
+
+    def __init__(
+        self, replica: SimReplica, bootstrap: ReplicaBootstrap, registry: CollectorRegistry,
+        stats: Callable[[], dict[str, Any]], apply_fault: ApplyFault,
+    ) -> None:
         self.replica = replica
+        self.bootstrap = bootstrap
+        self.registry = registry
+        self.stats = stats
+        self.apply_fault = apply_fault
         self.routes: dict[tuple[str, str], Handler] = {
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/chat/completions"): self.chat_completions,
@@ -161,7 +173,7 @@ class ReplicaApi:
         return web.Response(status=200 if self.replica.healthy else 503)
 
     async def metrics(self, request: web.BaseRequest) -> web.StreamResponse:
-        return web.Response(body=render(self.replica.registry), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=render(self.registry), headers={"Content-Type": CONTENT_TYPE})
 
     async def reset_prefix_cache(self, request: web.BaseRequest) -> web.StreamResponse:
         """vLLM's dev endpoint: ``{"success": false}`` while blocks are in use, unless ``reset_running_requests``."""
@@ -178,11 +190,11 @@ class ReplicaApi:
         return json_response({"requests": [r if isinstance(r, dict) else request_record(r) for r in records]})
 
     async def sim_stats(self, request: web.BaseRequest) -> web.StreamResponse:
-        return json_response(self.replica.stats())
+        return json_response(self.stats())
 
     async def sim_fault(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await _json_body(request)
-        result, after = await faults.apply(self.replica, body)
+        result, after = await self.apply_fault(body)
         if after is None:
             return json_response(result)
         # The answer goes out before the fault closes this very listener.
@@ -280,7 +292,7 @@ class ReplicaApi:
         if ktp and ktp.get("do_remote_decode"):
             max_tokens = 1
         bootstrap = parse_fields(body)
-        if bootstrap is not None and self.replica.bootstrap.is_prefill_leg(bootstrap):
+        if bootstrap is not None and self.bootstrap.is_prefill_leg(bootstrap):
             max_tokens = 1
         if len(ids) + max_tokens > p.max_model_len:
             raise EngineError(
@@ -299,9 +311,9 @@ class ReplicaApi:
         if ktp.get("do_remote_prefill") and isinstance(ktp.get("remote_engine_id"), str) \
                 and isinstance(ktp.get("remote_request_id"), str):
             remote = RemoteSource(ktp["remote_engine_id"], ktp["remote_request_id"])
-        prefill_leg = gen.bootstrap is not None and replica.bootstrap.is_prefill_leg(gen.bootstrap)
+        prefill_leg = gen.bootstrap is not None and self.bootstrap.is_prefill_leg(gen.bootstrap)
         if gen.bootstrap is not None and not prefill_leg:
-            remote = await replica.bootstrap.await_kv(gen.bootstrap)
+            remote = await self.bootstrap.await_kv(gen.bootstrap)
         chain = block_chain(gen.prompt_ids, replica.params.block_size, gen.cache_salt)
         req = SimRequest(
             request_id=replica.next_request_id(),
@@ -338,7 +350,7 @@ class ReplicaApi:
                 replica.engine.abort(req, "client")
             if prefill_leg:
                 assert gen.bootstrap is not None
-                replica.bootstrap.settle(gen.bootstrap, req)
+                self.bootstrap.settle(gen.bootstrap, req)
 
     def _full_body(self, gen: Generation, req: SimRequest, chat: bool) -> dict[str, Any]:
         text = self.replica.model.text(req.output)

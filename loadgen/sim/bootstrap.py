@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import aiohttp
 import msgspec
@@ -29,9 +29,7 @@ from aiohttp import web
 
 from .engine import RemoteSource, SimRequest, State
 from .errors import EngineError
-
-if TYPE_CHECKING:
-    from .fleet import Replica
+from .replica import SimReplica
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +153,15 @@ class BootstrapStats:
 
 class ReplicaBootstrap:
     """One replica's side of SGLang's handoff: its bootstrap listener and room table (prefill legs), and the
-    bootstrap addresses it has resolved (decode legs)."""
+    bootstrap addresses it has resolved (decode legs). ``find_peer`` finds the bootstrap side of the fleet's replica
+    of that name (this one included), None when there is none: a ``/route`` answer names the replica it came from."""
 
-    def __init__(self, replica: "Replica", port: int | None) -> None:
+    def __init__(
+        self, replica: SimReplica, port: int | None, find_peer: Callable[[str], ReplicaBootstrap | None]
+    ) -> None:
         self.replica = replica
         self.port = port
+        self._find_peer = find_peer
         self.rooms = RoomTable(replica.params.transfer_lease_s)
         self.stats = BootstrapStats()
         self._resolved: dict[str, RoomTable] = {}
@@ -246,11 +248,11 @@ class ReplicaBootstrap:
             log.warning("bootstrap server %s: %s", fields.address, e)
             return None
         name = info.get("sim_replica") if isinstance(info, dict) else None
-        peer = next((r for r in self.replica.fleet if r.name == name), None)
+        peer = self._find_peer(name) if isinstance(name, str) else None
         if peer is None:
             return None
-        self._resolved[fields.address] = peer.bootstrap.rooms
-        return peer.bootstrap.rooms
+        self._resolved[fields.address] = peer.rooms
+        return peer.rooms
 
     # --- the bootstrap listener ----------------------------------------------------------------------------------
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:

@@ -155,7 +155,7 @@ async def serve(args: argparse.Namespace) -> None:
         await fleet.start()
         if args.write_config is not None:
             fleet.write_policy_file(args.write_config)
-        for r in fleet:
+        for r in (server.replica for server in fleet):
             print(f"{r.name}: {r.url}  role {r.role}  events {r.pub_endpoint}  replay {r.replay_endpoint}  "
                   f"model {params.model}  kv_blocks {params.kv_blocks}x{params.block_size}", flush=True)
         if args.write_config is not None:

@@ -8,29 +8,44 @@ generation request whose body holds it is answered 500, as an engine that fails 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from .errors import EngineError
-
-if TYPE_CHECKING:
-    from .fleet import Replica
+from .replica import SimReplica
 
 After = Callable[[], Awaitable[None]]
 
 
-async def apply(replica: "Replica", body: dict[str, Any]) -> tuple[dict[str, Any], After | None]:
-    """Apply a fault; returns the answer and, for stop, the coroutine to run once the answer is sent (stopping
-    may close the very listener the answer goes out on)."""
-    target = _target(replica, body.get("replica"))
+class FaultTarget(Protocol):
+    """What a fault acts on: one replica's state, its engine restart and its HTTP listener."""
+
+    @property
+    def replica(self) -> SimReplica: ...
+
+    def restart(self) -> None: ...
+
+    async def stop_http(self) -> None: ...
+
+    async def start_http(self) -> None: ...
+
+
+async def apply(
+    receiver: FaultTarget, fleet: Iterable[FaultTarget], body: dict[str, Any]
+) -> tuple[dict[str, Any], After | None]:
+    """Apply a fault to ``receiver`` (the replica the request came to) or to the replica of ``fleet`` that
+    ``body["replica"]`` names; returns the answer and, for stop, the coroutine to run once the answer is sent
+    (stopping may close the very listener the answer goes out on)."""
+    target = _target(receiver, fleet, body.get("replica"))
+    state = target.replica
     action = body.get("action")
     after: After | None = None
-    engine, publisher = target.engine, target.publisher
+    engine, publisher = state.engine, state.publisher
     if action == "restart":
         target.restart()
     elif action == "unhealthy":
-        target.healthy = False
+        state.healthy = False
     elif action == "healthy":
-        target.healthy = True
+        state.healthy = True
     elif action == "stall":
         seconds = body.get("seconds")
         if seconds is not None and not _number(seconds, 0):
@@ -62,18 +77,19 @@ async def apply(replica: "Replica", body: dict[str, Any]) -> tuple[dict[str, Any
         marker = body.get("marker")
         if marker is not None and not (isinstance(marker, str) and marker):
             raise EngineError("marker must be a non-empty string or null", "marker")
-        target.poison = None if marker is None else marker.encode()
+        state.poison = None if marker is None else marker.encode()
     else:
         raise EngineError(f"unknown fault action {action!r}", "action")
-    return {"replica": target.name, "action": action, "ok": True}, after
+    return {"replica": state.name, "action": action, "ok": True}, after
 
 
-def _target(replica: "Replica", which: Any) -> "Replica":
+def _target(receiver: FaultTarget, fleet: Iterable[FaultTarget], which: Any) -> FaultTarget:
+    """The replica a fault names by index or name; None names the replica that received it."""
     if which is None:
-        return replica
-    for r in replica.fleet:
-        if which == r.index or which == r.name:
-            return r
+        return receiver
+    for t in fleet:
+        if which == t.replica.index or which == t.replica.name:
+            return t
     raise EngineError(f"no replica {which!r} in this fleet", "replica")
 
 

@@ -3,90 +3,58 @@
 Replica i serves HTTP on ``port + i``, publishes KV events on ``zmq_port + 2i`` and answers replay on
 ``zmq_port + 2i + 1``. Replicas share the tokenizer and a registry of NIXL engine ids (the in-process side channel
 KV transfers use).
+
+Each replica is its state (``replica.SimReplica``) and a ``ReplicaServer`` around it: the HTTP listener serving
+``api.ReplicaApi``, the ``/metrics`` registry and the SGLang bootstrap server. This module is where they are put
+together: each part is handed what it needs of the rest of the fleet (another replica's bootstrap server, the target
+of a fault), so none of the parts imports this module.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
 import time
-import uuid
-from collections import deque
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import yaml
 import zmq.asyncio
 from aiohttp import web
 
+from . import faults
 from .api import ReplicaApi, make_request
 from .bootstrap import ReplicaBootstrap
-from .engine import Engine, SimRequest
-from .errors import EngineError
+from .engine import Engine
 from .metrics import metrics_registry
 from .model import SimModel
 from .params import SimParams
-from .publisher import EventPublisher
-
-RECORDS_KEPT = 2000
+from .replica import SimReplica, client_host
 
 
-class Replica:
-    def __init__(
-        self, fleet: "Fleet", index: int, host: str, http_port: int, zmq_port: int, params: SimParams,
-        role: str = "both", bootstrap_port: int | None = None,
-    ) -> None:
-        self.fleet = fleet
-        self.index = index
-        self.name = f"sim-{index}"
-        self.role = role
-        """``prefill``, ``decode`` or ``both``: what the policy file says this replica is for. A replica serves every
-        request whatever its role (vLLM's ``kv_both``) and counts those off its role (``off_role_requests``)."""
-        self.host = host
-        self.http_port = http_port
-        self.pub_endpoint = f"tcp://{host}:{zmq_port}"
-        self.replay_endpoint = f"tcp://{host}:{zmq_port + 1}"
-        self.params = params
-        self.model = fleet.model
-        self.healthy = True
-        self.poison: bytes | None = None
-        """Generation requests whose body holds these bytes are answered 500 (``/sim/fault`` poison)."""
-        self.started_at = time.time()
-        self.records: deque[SimRequest | dict[str, Any]] = deque(maxlen=RECORDS_KEPT)
-        self.errors = 0
-        self._request_ids = itertools.count()
-        self._id_prefix = f"{self.name}-{uuid.uuid4().hex[:8]}"
-        self.publisher = EventPublisher(
-            fleet.zmq_context, self.pub_endpoint, self.replay_endpoint, params.topic, params.replay_buffer_steps,
-            random.Random(params.seed * 7919 + index),
-        )
-        self.engine = Engine(params, self.publisher.publish, self.model.output_vocab, fleet.engines, http_port)
-        self.registry = metrics_registry(self)
-        self.api = ReplicaApi(self)
-        self.bootstrap = ReplicaBootstrap(self, bootstrap_port)
+class ReplicaServer:
+    """One replica as the fleet runs it: its state, its HTTP listener, its metrics registry and its bootstrap side.
+    ``fleet`` is every server of the fleet (this one included): where a fault or a decode leg finds another
+    replica."""
+
+    def __init__(self, replica: SimReplica, bootstrap_port: int | None, fleet: Iterable[ReplicaServer]) -> None:
+        self.replica = replica
+        self._fleet = fleet
+        self.registry = metrics_registry(replica)
+        self.bootstrap = ReplicaBootstrap(replica, bootstrap_port, self._peer_bootstrap)
+        self.api = ReplicaApi(replica, self.bootstrap, self.registry, self.stats, self._apply_fault)
         self._web_server: web.Server | None = None
         self._listener: asyncio.base_events.Server | None = None
-        self._engine_task: asyncio.Task[None] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{_client_host(self.host)}:{self.http_port}"
 
     async def start(self) -> None:
-        self.publisher.start()
-        self._engine_task = asyncio.create_task(self.engine.run(), name=f"{self.name}-engine")
+        self.replica.start_engine()
         await self.bootstrap.start()
         await self.start_http()
 
     async def close(self) -> None:
         await self.stop_http()
         await self.bootstrap.close()
-        if self._engine_task is not None:
-            self._engine_task.cancel()
-            await asyncio.gather(self._engine_task, return_exceptions=True)
-        await self.publisher.close()
+        await self.replica.close_engine()
 
     async def start_http(self) -> None:
         if self._listener is not None:
@@ -95,7 +63,7 @@ class Replica:
             self.api.handle, request_factory=make_request, handler_cancellation=True, access_log=None
         )
         self._listener = await asyncio.get_running_loop().create_server(
-            self._web_server, self.host, self.http_port, reuse_address=True, backlog=1024
+            self._web_server, self.replica.host, self.replica.http_port, reuse_address=True, backlog=1024
         )
 
     async def stop_http(self) -> None:
@@ -110,46 +78,40 @@ class Replica:
         self._listener = None
         self._web_server = None
 
-    def next_request_id(self) -> str:
-        """Internal request ids (NIXL's remote_request_id): unique per replica and process, cheap to make."""
-        return f"{self._id_prefix}-{next(self._request_ids)}"
-
     def restart(self) -> None:
         """A fresh engine process: nothing of the old one survives, not even a fault it was put in. Its
         ``process_start_time_seconds`` changes, so a scraper can tell."""
-        self.started_at = time.time()
-        self.engine.restart()
+        r = self.replica
+        r.started_at = time.time()
+        r.engine.restart()
         self.bootstrap.restart()
-        self.engine.unstall()
-        self.publisher.reset()
-        self.healthy = True
-
-    def record_error(self, request: web.BaseRequest, err: EngineError) -> None:
-        self.errors += 1
-        self.records.append({
-            "request_id": None, "endpoint": request.path, "model": None, "stream": None, "cache_salt": None,
-            "kv_transfer_params_in": None, "prompt_tokens": 0, "cached_tokens": 0, "transferred_tokens": 0,
-            "status": "error", "error": err.message, "http_status": err.status, "queue_ms": None, "ttft_ms": None,
-            "headers": {"x-request-id": request.headers.get("X-Request-Id"),
-                        "x-session-id": request.headers.get("X-Session-ID")},
-        })
+        r.engine.unstall()
+        r.publisher.reset()
+        r.healthy = True
 
     def stats(self) -> dict[str, Any]:
-        p = self.publisher
+        r = self.replica
+        p = r.publisher
         return {
-            "replica": self.name, "role": self.role, "engine_id": self.engine.engine_id, "healthy": self.healthy,
-            "stalled": self.engine.stalled, "http_listening": self._listener is not None,
-            "clock_ms": self.engine.clock_ms, "running": len(self.engine.running),
-            "waiting": len(self.engine.waiting), "kv_cache_usage": self.engine.pool.usage(),
-            "gpu_cached_blocks": len(self.engine.pool.gpu), "cpu_cached_blocks": len(self.engine.pool.cpu),
-            "evicted_blocks": self.engine.pool.evicted_blocks, "leases": len(self.engine.leases),
-            "bad_requests": self.errors, **asdict(self.engine.stats), "itl": self.engine.itl.summary(),
+            "replica": r.name, "role": r.role, "engine_id": r.engine.engine_id, "healthy": r.healthy,
+            "stalled": r.engine.stalled, "http_listening": self._listener is not None,
+            "clock_ms": r.engine.clock_ms, "running": len(r.engine.running),
+            "waiting": len(r.engine.waiting), "kv_cache_usage": r.engine.pool.usage(),
+            "gpu_cached_blocks": len(r.engine.pool.gpu), "cpu_cached_blocks": len(r.engine.pool.cpu),
+            "evicted_blocks": r.engine.pool.evicted_blocks, "leases": len(r.engine.leases),
+            "bad_requests": r.errors, **asdict(r.engine.stats), "itl": r.engine.itl.summary(),
             "bootstrap": self.bootstrap.summary(),
             "events": {"next_seq": p.next_seq, "buffered": len(p.buffer), "frames_sent": p.frames_sent,
                        "frames_dropped": p.frames_dropped, "drop_fraction": p.drop_fraction,
                        "delay_ms": p.delay_s * 1000.0, "replay_enabled": p.replay_enabled,
                        "replay_requests": p.replay_requests, "replay_invalid": p.replay_invalid},
         }
+
+    async def _apply_fault(self, body: dict[str, Any]) -> tuple[dict[str, Any], faults.After | None]:
+        return await faults.apply(self, self._fleet, body)
+
+    def _peer_bootstrap(self, name: str) -> ReplicaBootstrap | None:
+        return next((s.bootstrap for s in self._fleet if s.replica.name == name), None)
 
 
 class Fleet:
@@ -169,32 +131,37 @@ class Fleet:
         server, and the policy file lists every replica as an sglang one."""
         self.zmq_context = zmq.asyncio.Context()
         self.engines: dict[str, Engine] = {}
-        self.replicas = [
-            Replica(self, i, host, port + i, zmq_port + 2 * i, replace(params), roles[i] if roles else "both",
-                    None if bootstrap_port is None or (roles and roles[i] != "prefill") else bootstrap_port + i)
+        self.servers = [
+            ReplicaServer(
+                SimReplica(i, host, port + i, zmq_port + 2 * i, replace(params), model, self.zmq_context, self.engines,
+                           roles[i] if roles else "both"),
+                None if bootstrap_port is None or (roles and roles[i] != "prefill") else bootstrap_port + i,
+                self,
+            )
             for i in range(replicas)
         ]
 
-    def __iter__(self) -> Iterator[Replica]:
-        return iter(self.replicas)
+    def __iter__(self) -> Iterator[ReplicaServer]:
+        return iter(self.servers)
 
     async def start(self) -> None:
-        for r in self.replicas:
-            await r.start()
+        for s in self.servers:
+            await s.start()
 
     async def close(self) -> None:
-        for r in self.replicas:
-            await r.close()
+        for s in self.servers:
+            await s.close()
         self.zmq_context.term()
 
     def policy_file(self) -> dict[str, Any]:
         """kvgate's own config for this fleet (loads with ``kvgate.router.config.load_config``)."""
         return {
             "replicas": [
-                {"name": r.name, "url": r.url, "kv_events": _client_endpoint(r.pub_endpoint),
-                 "kv_replay": _client_endpoint(r.replay_endpoint), "kv_topic": self.params.topic,
-                 **({"role": r.role} if self.roles_given else {}), **(_sglang_fields(r) if self.sglang else {})}
-                for r in self.replicas
+                {"name": s.replica.name, "url": s.replica.url, "kv_events": _client_endpoint(s.replica.pub_endpoint),
+                 "kv_replay": _client_endpoint(s.replica.replay_endpoint), "kv_topic": self.params.topic,
+                 **({"role": s.replica.role} if self.roles_given else {}),
+                 **(_sglang_fields(s.bootstrap) if self.sglang else {})}
+                for s in self.servers
             ],
             "models": [{"name": self.params.model, "tokenizer": str(self.model.tokenizer_path),
                         "block_size": self.params.block_size}],
@@ -205,19 +172,15 @@ class Fleet:
         path.write_text(yaml.safe_dump(self.policy_file(), sort_keys=False))
 
 
-def _sglang_fields(replica: Replica) -> dict[str, Any]:
+def _sglang_fields(bootstrap: ReplicaBootstrap) -> dict[str, Any]:
     """An SGLang fleet's replica: its engine kind, and its bootstrap port when it is a prefill server
     (loadgen.sim.bootstrap)."""
-    if replica.bootstrap.port is None:
+    if bootstrap.port is None:
         return {"engine": "sglang"}
-    return {"engine": "sglang", "bootstrap_port": replica.bootstrap.port}
-
-
-def _client_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "", "*") else host
+    return {"engine": "sglang", "bootstrap_port": bootstrap.port}
 
 
 def _client_endpoint(endpoint: str) -> str:
     host_port = endpoint.removeprefix("tcp://")
     host, _, port = host_port.rpartition(":")
-    return f"tcp://{_client_host(host)}:{port}"
+    return f"tcp://{client_host(host)}:{port}"

@@ -3,13 +3,12 @@ standard ``process_start_time_seconds`` of the replica's (simulated) engine proc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-if TYPE_CHECKING:
-    from .fleet import Replica
+from .replica import SimReplica
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -17,7 +16,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class ReplicaCollector:
     """Yields the metrics vLLM's ``PrometheusStatLogger`` exports (labels ``model_name`` and ``engine``)."""
 
-    def __init__(self, replica: "Replica") -> None:
+    def __init__(self, replica: SimReplica) -> None:
         self.replica = replica
 
     def collect(self) -> Iterator[Metric]:
@@ -71,7 +70,7 @@ class ReplicaCollector:
                                 "Start time of the process since unix epoch in seconds.", value=self.replica.started_at)
 
 
-def metrics_registry(replica: "Replica") -> CollectorRegistry:
+def metrics_registry(replica: SimReplica) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ReplicaCollector(replica))
     return registry
