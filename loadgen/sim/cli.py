@@ -12,7 +12,7 @@ import zmq
 
 from kvgate.loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
 
-from .fleet import Fleet
+from .fleet import SimFleet
 from .model import SimModel
 from .params import SimParams
 
@@ -145,8 +145,8 @@ def _validate(args: argparse.Namespace) -> str | None:
 async def serve(args: argparse.Namespace) -> None:
     params = params_from_args(args)
     model = SimModel.load(args.model, args.tokenizer)
-    fleet = Fleet(replica_count(args), args.host, args.port, args.zmq_port, params, model, args.roles,
-                  args.bootstrap_port)
+    fleet = SimFleet(replica_count(args), args.host, args.port, args.zmq_port, params, model, args.roles,
+                     args.bootstrap_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -114,11 +114,13 @@ class ReplicaServer:
         return next((s.bootstrap for s in self._fleet if s.replica.name == name), None)
 
 
-class Fleet:
+class SimFleet:
+    """``replicas`` simulated replicas sharing one ZMQ context and one registry of NIXL engine ids."""
+
     def __init__(
         self, replicas: int, host: str, port: int, zmq_port: int, params: SimParams, model: SimModel,
         roles: list[str] | None = None, bootstrap_port: int | None = None,
-    ):
+    ) -> None:
         """``roles``: each replica's role, in order (None: every replica serves both and the policy file names no
         role)."""
         if roles is not None and len(roles) != replicas:
