@@ -147,7 +147,10 @@ def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tu
         targets.append(Target("sglang-gateway", f"http://127.0.0.1:{sg_port}", sglang))
     for t in targets[1:]:
         assert t.process is not None
-        t.process.wait_http(t.url + "/v1/models" if t.name != "sglang-gateway" else t.url + "/health", 60)
+        if t.name == "bare-proxy":  # it serves POSTs only: any answer means it is up
+            t.process.wait_http(t.url + "/v1/models", 60, ready=lambda status: True)
+        else:
+            t.process.wait_http(t.url + "/v1/models" if t.name != "sglang-gateway" else t.url + "/health", 60)
     return sim, targets
 
 

@@ -71,13 +71,16 @@ class ChildProcess:
     ) -> None:
         """Poll ``url`` until its status satisfies ``ready``; fail early, with the log's tail, if the process exits."""
         deadline = time.monotonic() + timeout_s
-        last: Exception | None = None
+        last: object = None
+        """The last answer's status, or why there was none."""
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"{self.name} exited early; last output:\n{self.tail()}")
             try:
-                if ready(httpx.get(url, timeout=2.0).status_code):
+                status = httpx.get(url, timeout=2.0).status_code
+                if ready(status):
                     return
+                last = f"HTTP {status}"
             except httpx.HTTPError as e:
                 last = e
             time.sleep(interval_s)

@@ -1,1 +1,0 @@
-"""The HTTP surface: the app and its handlers, request bodies, errors, auth and tenants."""

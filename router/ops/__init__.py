@@ -1,1 +1,0 @@
-"""Operations: the server process, metrics, logs, policy-file reloads, the demo."""
