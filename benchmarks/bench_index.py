@@ -22,7 +22,7 @@ from kvgate.cache_index.index import _SWEEP_AFTER, PrefixIndex
 from kvgate.cache_index.ingest import EventIngestor
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.match import Tier
-from kvgate.cache_index.vllm_wire import BlockStored, KVEventBatch
+from kvgate.loadgen.sim.wire import BlockStored, KVEventBatch
 
 BS = 16
 REPLICAS = 16

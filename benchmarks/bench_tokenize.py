@@ -12,13 +12,15 @@ Run: ``.venv/bin/python benchmarks/bench_tokenize.py``
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import statistics
 import time
 from typing import Any, Awaitable, Callable
 
 from kvgate.loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
-from kvgate.policies.config import ModelConfig
+from kvgate.router.apis.openai import parse_chat
+from kvgate.router.core.config import ModelConfig
 from kvgate.router.prompts.model_tokenizer import ModelTokenizer
 from kvgate.router.prompts.tokenizer import PromptTokenizer
 
@@ -26,6 +28,11 @@ WORDS = ("the of and to in is was for on that with as by at from it an be this w
          "cache prefix replica router token block engine request latency model prompt document section table query "
          "2024 3.14 42 (see above) e.g. i.e. data-driven GPU/CPU").split()
 RUNS = 7
+
+
+def tokenize_chat(prompts: PromptTokenizer, messages: list[dict[str, Any]]) -> Awaitable[Any]:
+    """Tokenize a chat as the gateway's tokenize stage does: the OpenAI parser, run by the tokenizer."""
+    return prompts.tokenize(DEFAULT_MODEL, functools.partial(parse_chat, {"messages": messages}))
 
 
 def paragraph_text(rng: random.Random, tokens: int) -> str:
@@ -93,15 +100,15 @@ async def main() -> None:
             print(f"-- chat prompt of {n} tokens, {chars} characters")
             full = [await measure(lambda m=m: loop.run_in_executor(None, reference.encode_chat, m)) for m in fresh]
             print(row("full encode (no cache)", full))
-            cold = [await measure(lambda m=m: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": m})) for m in fresh]
+            cold = [await measure(lambda m=m: tokenize_chat(prompts, m)) for m in fresh]
             print(row("kvgate cold", cold))
-            warm = [await measure(lambda m=m: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": m})) for m in fresh]
+            warm = [await measure(lambda m=m: tokenize_chat(prompts, m)) for m in fresh]
             print(row("kvgate warm (same chat again)", warm))
             grown = [m + [{"role": "user", "content": paragraph_text(rng, 40)}] for m in fresh]
-            grew = [await measure(lambda m=m: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": m})) for m in grown]
+            grew = [await measure(lambda m=m: tokenize_chat(prompts, m)) for m in grown]
             print(row("kvgate warm + one new message", grew))
             for m in grown[:2]:
-                assert (await prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": m})).token_ids.tolist() == reference.encode_chat(m)
+                assert (await tokenize_chat(prompts, m)).token_ids.tolist() == reference.encode_chat(m)
 
         print("-- growing chat, measured past 100,000 characters")
         messages: list[dict[str, Any]] = [{"role": "system", "content": paragraph_text(rng, 200)}]
@@ -110,7 +117,7 @@ async def main() -> None:
         while True:
             messages.append({"role": "user" if len(messages) % 2 else "assistant", "content": paragraph_text(rng, 400)})
             body = {"messages": list(messages)}
-            sample = await measure(lambda: prompts.tokenize(DEFAULT_MODEL, "chat", body))
+            sample = await measure(lambda: tokenize_chat(prompts, body["messages"]))
             if len(reference.render_chat(messages)) >= 100_000:
                 samples.append(sample)
                 full.append(await measure(lambda: loop.run_in_executor(None, reference.encode_chat, messages)))
@@ -120,7 +127,7 @@ async def main() -> None:
         print(f"   {len(messages)} messages, {chars} characters, {len(reference.encode_chat(messages))} tokens")
         print(row("full encode (no cache)", full))
         print(row("kvgate warm growing chat (one new message)", samples))
-        again = [await measure(lambda: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": list(messages)}))
+        again = [await measure(lambda: tokenize_chat(prompts, list(messages)))
                  for _ in range(RUNS)]
         print(row("kvgate warm, same 100k-char chat again", again))
 
@@ -131,7 +138,7 @@ async def main() -> None:
             reference.encode_chat(on_loop_chat)
 
         on_loop = await stall_ms(encode_on_loop)
-        off_loop = await stall_ms(lambda: prompts.tokenize(DEFAULT_MODEL, "chat", {"messages": off_loop_chat}))
+        off_loop = await stall_ms(lambda: tokenize_chat(prompts, off_loop_chat))
         print(f"{'encode on the loop':<44} stall {on_loop:8.2f} ms")
         print(f"{'kvgate (worker thread, GIL released)':<44} stall {off_loop:8.2f} ms")
         print(f"cache: {len(prompts.cache)} pieces, {prompts.cache.bytes / 1e6:.1f} MB, "

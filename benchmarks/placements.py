@@ -30,8 +30,9 @@ from typing import Any
 
 from kvgate.loadgen.bench import add_arguments
 from kvgate.loadgen.cli import workload_options
-from kvgate.loadgen.workloads import Request, build_workload
+from kvgate.loadgen.workloads import build_workload
 from kvgate.loadgen.workloads.oracle import ORACLE_BLOCK_SIZE
+from kvgate.loadgen.workloads.request import Request
 from kvgate.loadgen.workloads.vocabulary import vocabulary_for
 
 PASS_THROUGH = {"--peer-args", "--sim-args", "--serve-args", "--engine-args"}

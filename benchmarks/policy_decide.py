@@ -16,7 +16,7 @@ from kvgate.policies.calibration import Calibrator
 from kvgate.policies.config import CalibrationConfig, TransferConfig
 from kvgate.policies.cost_model import CostModel
 from kvgate.policies.registry import POLICY_NAMES, create_policy
-from kvgate.router.config import KvgateConfig
+from kvgate.router.settings.schema import KvgateConfig
 
 REQUEST = RouteRequest(request_id="bench", model="m", prompt_tokens=12_000, block_size=16)
 
@@ -52,7 +52,8 @@ def per_call_us(policy: Policy, views: list[ReplicaView], calls: int) -> float:
 
 def main() -> None:
     config = KvgateConfig()
-    base = CostModel.from_config(config.model_or_first(None), config.policy, config.transfer)
+    model = config.model_or_first(None)
+    base = CostModel.from_config(model.prefill, model.kv_bytes_per_token, config.policy, config.transfer)
     nixl = CostModel(base.prefill, base.tier_load_ms_per_token, TransferConfig(connector="nixl"), base.kv_bytes_per_token)
     rng = random.Random(0)
     print(f"{'replicas':>8} " + " ".join(f"{name:>16}" for name in (*POLICY_NAMES, "cost+nixl")) + "   (us per decision)")

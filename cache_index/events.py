@@ -221,7 +221,6 @@ class _MapEventBatch(msgspec.Struct, array_like=True, gc=False):
 
 _typed_decode = msgspec.msgpack.Decoder(_MapEventBatch).decode
 _msgpack_decode = msgspec.msgpack.Decoder().decode
-_json_decode = msgspec.json.Decoder().decode
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
@@ -248,13 +247,4 @@ def decode_batch(payload: bytes) -> DecodedBatch:
 
 def decode_batch_object(raw: object) -> DecodedBatch:
     """Normalise a batch already parsed from JSON (``[ts, events, dp_rank]``, hashes as ints or base64 text)."""
-    return _normalise(raw)
-
-
-def decode_json_batch(body: bytes) -> DecodedBatch:
-    """Decode a batch sent as JSON text (same shape as the msgpack one)."""
-    try:
-        raw = _json_decode(body)
-    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-        raise MalformedBatch(f"not JSON: {exc}") from exc
     return _normalise(raw)

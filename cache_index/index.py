@@ -267,13 +267,6 @@ class PrefixIndex:
             return False
         return bool(self._holders.get(key, 0) >> (slot * _TIERS) & _SLOT_BITS)
 
-    def tiers_of(self, replica: str, key: int) -> list[Tier]:
-        slot = self._slots.get(replica)
-        if slot is None:
-            return []
-        mask = self._holders.get(key, 0) >> (slot * _TIERS)
-        return [tier for tier in Tier if mask >> tier & 1]
-
     def drop_replica(self, replica: str) -> int:
         """Remove every holding and prediction of ``replica`` at once; returns how many holdings were removed."""
         slot = self._slots.pop(replica, None)

@@ -42,7 +42,15 @@ import zmq
 import zmq.asyncio
 
 from kvgate.cache_index.ingest import ApplyResult, ApplyStatus, EventIngestor
-from kvgate.cache_index.vllm_wire import END_SEQ, encode_seq
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The sequence frame of the replay socket's end marker."""
+
+
+def encode_seq(seq: int) -> bytes:
+    """A sequence number as vLLM frames it: 8 bytes, big-endian."""
+    return seq.to_bytes(8, "big")
+
 
 log = logging.getLogger(__name__)
 

@@ -42,13 +42,13 @@ from kvgate.loadgen.cli import add_workload_arguments, drive, load_workload, run
 from kvgate.loadgen.plots import write_plots
 from kvgate.loadgen.procs import ChildProcess
 from kvgate.loadgen.report import (
-    CANDIDATE, Repeat, RepeatedComparison, compare, print_table, schedule_warning, summarize, write_repeated_results,
-    write_results,
+    CANDIDATE, Repeat, RepeatedComparison, compare, print_table, schedule_warning, summarize,
+    write_repeated_results, write_results,
 )
 from kvgate.loadgen.runner import RequestRecord
 from kvgate.loadgen.runstats import group_cpu_seconds, scrape_gateway_counters
 from kvgate.loadgen.sim.params import SimParams
-from kvgate.loadgen.workloads import Request, working_set_tokens
+from kvgate.loadgen.workloads.request import Request, working_set_tokens
 
 POLICIES = ("cost", "prefix_affinity", "least_loaded", "round_robin")
 PEERS = ("sglang", "sglang-pd", "vllm-router")

@@ -14,8 +14,9 @@ from kvgate.loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
 from kvgate.loadgen.plots import write_plots
 from kvgate.loadgen.report import print_table, schedule_warning, summarize, write_results
 from kvgate.loadgen.runner import RequestRecord, RunConfig, run_workload
-from kvgate.loadgen.trace import TraceError
-from kvgate.loadgen.workloads import WORKLOADS, Request, WorkloadOptions, build_workload, working_set_tokens
+from kvgate.loadgen.workloads import WORKLOADS, build_workload
+from kvgate.loadgen.workloads.request import Request, WorkloadOptions, working_set_tokens
+from kvgate.loadgen.workloads.trace import TraceError
 
 
 def _pair(text: str) -> tuple[float, float]:

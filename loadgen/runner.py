@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvgate.loadgen.workloads import Request
+from kvgate.loadgen.workloads.request import Request
 
 REPLICA_HEADER = "x-kvgate-replica"
 DECISION_HEADER = "x-kvgate-decision"

@@ -10,12 +10,9 @@ should try them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Sequence
+from typing import Any, ClassVar, Literal, Protocol, Sequence
 
 from kvgate.cache_index.match import PrefixMatch
-
-if TYPE_CHECKING:
-    from kvgate.policies.capacity import CacheMargin
 
 Action = Literal["route", "transfer", "disaggregate"]
 Role = Literal["prefill", "decode", "both"]
@@ -34,6 +31,22 @@ class RouteRequest:
     session_id: str | None = None
     tenant: str | None = None
     max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheMargin:
+    """A replica's cache at the margin (priced by :mod:`policies.capacity`): what losing one token of it costs the fleet, and why."""
+
+    ms_per_token: float
+    """Expected prefill (ms) the fleet spends recomputing what one token of new blocks evicts here."""
+    residence_s: float
+    """How long a block survives here without a hit (the age of the least recently used prefix still held)."""
+    reuses_per_token: float
+    """Expected reuses of an evicted token during ``residence_s`` (before the cap at one recompute)."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {"ms_per_token": self.ms_per_token, "residence_s": self.residence_s,
+                "reuses_per_token": self.reuses_per_token}
 
 
 @dataclass(slots=True)
@@ -99,6 +112,9 @@ class Decision:
     details: dict[str, Any] = field(default_factory=dict)
     """The numbers behind the decision (per-replica predicted TTFT, queue delay...), for ``/kvgate/v1/explain``;
     filled only when the policy is asked to ``explain``."""
+    ttft_ms: dict[str, float] | None = None
+    """Each eligible replica's predicted TTFT for a local prefill (queue delay included), when the policy priced them
+    (the cost policy does), so the gateway need not price them again for the attempts' deadlines."""
 
 
 class Policy(Protocol):

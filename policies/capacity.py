@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvgate.policies.base import ReplicaView
+from kvgate.policies.base import CacheMargin, ReplicaView
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,22 +38,6 @@ class HeldPrefix:
     """When it was last requested (the router's monotonic clock)."""
     holders: int
     """Replicas holding it (its traffic spreads over them)."""
-
-
-@dataclass(frozen=True, slots=True)
-class CacheMargin:
-    """A replica's cache at the margin: what losing one token of it costs the fleet, and why."""
-
-    ms_per_token: float
-    """Expected prefill (ms) the fleet spends recomputing what one token of new blocks evicts here."""
-    residence_s: float
-    """How long a block survives here without a hit (the age of the least recently used prefix still held)."""
-    reuses_per_token: float
-    """Expected reuses of an evicted token during ``residence_s`` (before the cap at one recompute)."""
-
-    def as_dict(self) -> dict[str, float]:
-        return {"ms_per_token": self.ms_per_token, "residence_s": self.residence_s,
-                "reuses_per_token": self.reuses_per_token}
 
 
 def cache_margin(held: Iterable[HeldPrefix], per_token_ms: float, now: float) -> CacheMargin | None:

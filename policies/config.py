@@ -1,7 +1,7 @@
-"""The policies' and the cost model's sections of the policy file: each model's cost constants, the policy, cost-model
-calibration, KV transfers, prefill/decode disaggregation and hot-prefix replication. A policy is built from its own section and the cost model's
-(:func:`kvgate.policies.registry.create_policy`, :meth:`kvgate.policies.cost_model.CostModel.from_config`), never from
-the whole file."""
+"""The policies' and the cost model's sections of the policy file: a model's cost constants (``models[].prefill``),
+the policy, cost-model calibration, KV transfers, prefill/decode disaggregation and hot-prefix replication. A policy
+is built from its own section and the cost model's (:func:`kvgate.policies.registry.create_policy`,
+:meth:`kvgate.policies.cost_model.CostModel.from_config`), never from the whole file."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvgate.cache_index.config import Section
+from kvgate.policies.section import Section
 
 
 class PrefillCost(Section):
@@ -23,24 +23,6 @@ class PrefillCost(Section):
     """Extra ms per million squared tokens, for attention's quadratic share on long contexts."""
     decode_ms_per_token: float = Field(0.0, ge=0)
     """Expected per-output-token cost on a busy replica; used to convert running sequences into queue delay."""
-
-
-class ModelConfig(Section):
-    name: str
-    """Model name as clients send it and engines serve it."""
-    tokenizer: str | None = None
-    """Local model directory (tokenizer.json + tokenizer_config.json) or a tokenizer.json path."""
-    block_size: int = Field(16, ge=1)
-    """Engine KV block size in tokens, a default: each replica's own (its events' block_size, else its scraped
-    cache_config_info) is used once known; a stated value an engine contradicts is logged and metered."""
-    weight_version: str = ""
-    """Changing it starts a new namespace: every old cached prefix simply misses."""
-    prefill: PrefillCost = PrefillCost()
-    kv_bytes_per_token: int = Field(320 * 1024, gt=0)
-    """KV-cache bytes per token (all layers); sizes transfers."""
-    max_model_len: int | None = Field(None, ge=1)
-    """Longest prompt the model takes, in tokens; longer prompts get 400 before they are forwarded. When unset, the
-    largest ``max_model_len`` its replicas report in /v1/models (vLLM does)."""
 
 
 class CostPolicyConfig(Section):

@@ -167,6 +167,7 @@ class CostPolicy:
             # a failed decode leg is retried elsewhere as a local prefill: the others are ranked by their local scores
             ranked=self._ranked(chosen, [c for c in alternatives if not c.disaggregated] if split else candidates),
             details=details,
+            ttft_ms={name: e.ttft_ms for name, e in estimates.items()},
         )
 
     def _candidate(

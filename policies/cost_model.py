@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from kvgate.policies.base import ReplicaView, RouteRequest
-from kvgate.policies.config import ModelConfig, PolicyConfig, PrefillCost, TransferConfig
+from kvgate.policies.config import PolicyConfig, PrefillCost, TransferConfig
 
 GIB = 1024**3
 
@@ -115,13 +115,23 @@ class CostModel:
         self.default_prompt_tokens = default_prompt_tokens
 
     @classmethod
-    def from_config(cls, model: ModelConfig, policy: PolicyConfig, transfer: TransferConfig) -> "CostModel":
-        """The cost model of ``model``'s constants, with the policy's lower-tier load costs and the KV link's."""
-        return cls(model.prefill, policy.tier_load_ms_per_token, transfer, model.kv_bytes_per_token)
+    def from_config(
+        cls, prefill: PrefillCost, kv_bytes_per_token: int, policy: PolicyConfig, transfer: TransferConfig
+    ) -> "CostModel":
+        """The cost model of a model's constants (its prefill cost and KV bytes per token), with the policy's
+        lower-tier load costs and the KV link's."""
+        return cls(prefill, policy.tier_load_ms_per_token, transfer, kv_bytes_per_token)
 
     @property
     def transfer_enabled(self) -> bool:
         return self.transfer.connector != "none"
+
+    def prefill_avoided_ms(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """Prefill skipped because ``cached_tokens`` leading tokens of a ``prompt_tokens`` prompt were already held:
+        the prefill of the whole prompt minus that of the uncached rest after the cached context. The engines do not
+        report prefill time, so "what caching paid" is this, with the calibrated coefficients."""
+        cached = max(0, min(cached_tokens, prompt_tokens))
+        return self.prefill_ms(prompt_tokens) - self.prefill_ms(prompt_tokens - cached, context=cached)
 
     def prefill_ms(self, tokens: float, context: float = 0) -> float:
         """Prefill time of ``tokens`` new tokens after ``context`` cached ones.

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Hashable, Literal, Sequence
 
-from kvgate.policies.base import ReplicaView
-from kvgate.policies.capacity import CacheMargin, HeldPrefix, cache_margin, eviction_ms
+from kvgate.policies.base import CacheMargin, ReplicaView
+from kvgate.policies.capacity import HeldPrefix, cache_margin, eviction_ms
 from kvgate.policies.config import ReplicationConfig
 from kvgate.policies.cost_model import CostModel
 from kvgate.policies.rate import DecayedRate

@@ -1,24 +1,16 @@
-"""The prefix index's section of the policy file (``index``), and the base class of every section.
+"""The base class of every section of the policy file.
 
-Each section of the policy file is defined next to the component that reads it; the root config
-(:mod:`kvgate.router.config`) assembles them. The base lives in this, the lowest layer, so every layer's sections
-share it: unknown keys are errors (a typo never silently does nothing), values are frozen, and each field's docstring
-is its documentation (docs/configuration.md).
+Each section is defined next to the component that reads it (the policies' here in :mod:`kvgate.policies.config`,
+the gateway's in its own packages) and the gateway's root schema assembles them. The base lives in the lowest
+package that reads sections, so every layer's share it: unknown keys are errors (a typo never silently does
+nothing), values are frozen, and each field's docstring is its documentation (docs/configuration.md). The prefix
+index reads none: it takes plain arguments.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-
-class IndexConfig(Section):
-    max_entries: int = Field(5_000_000, ge=1)
-    """Cap on (block, replica) holdings; least recently matched chains are evicted first."""
-    predicted_ttl_s: float = Field(2.0, ge=0)
-    """Blocks of a just-routed prompt count as held ("predicted") on that replica for this long, or until confirmed."""
-    replay_timeout_s: float = Field(2.0, gt=0)
-    """How long a replay request may take before the replica is purged instead."""

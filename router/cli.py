@@ -26,13 +26,13 @@ class MissingExtra(Exception):
 
 
 def _serve() -> CommandModule:
-    from kvgate.router.ops import server
+    from kvgate.router.app import server
 
     return server
 
 
 def _demo() -> CommandModule:
-    from kvgate.router.ops import demo
+    from kvgate.router.app import demo
 
     return demo
 

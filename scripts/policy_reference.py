@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from kvgate.router.config import KvgateConfig
+from kvgate.router.settings.schema import KvgateConfig
 
 
 def _default(field) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from dnslib import QTYPE, RCODE, RR, A, DNSLabel, SRV
+from dnslib import QTYPE, RCODE, RR, SRV, A, DNSLabel
 from dnslib.server import BaseResolver, DNSHandler, DNSLogger, DNSServer
 
 TTL = 1

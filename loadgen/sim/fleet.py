@@ -156,7 +156,7 @@ class SimFleet:
         self.zmq_context.term()
 
     def policy_file(self) -> dict[str, Any]:
-        """kvgate's own config for this fleet (loads with ``kvgate.router.config.load_config``)."""
+        """kvgate's policy file for this fleet (what ``kvgate serve --config`` reads)."""
         return {
             "replicas": [
                 {"name": s.replica.name, "url": s.replica.url, "kv_events": _client_endpoint(s.replica.pub_endpoint),

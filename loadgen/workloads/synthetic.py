@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvgate.loadgen.workloads import Request, WorkloadOptions
 from kvgate.loadgen.workloads.oracle import PrefixOracle
+from kvgate.loadgen.workloads.request import Request, WorkloadOptions
 from kvgate.loadgen.workloads.vocabulary import WordVocabulary, vocabulary_for
 
 

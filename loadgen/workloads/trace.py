@@ -15,8 +15,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate.loadgen.workloads import Request, WorkloadOptions
 from kvgate.loadgen.workloads.oracle import PrefixOracle
+from kvgate.loadgen.workloads.request import Request, WorkloadOptions
 from kvgate.loadgen.workloads.vocabulary import vocabulary_for
 
 TRACE_BLOCK_TOKENS = 512

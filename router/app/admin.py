@@ -1,7 +1,7 @@
 """Operator endpoints under ``/admin``: list, add, drain, undrain and remove replicas, and reload the policy file.
 
 All of them need ``Authorization: Bearer <admin token>`` (``server.admin_token``, or env ``KVGATE_ADMIN_TOKEN``; see
-:mod:`router.http.auth`); with no token configured the admin surface does not exist (404), so a forgotten setting never
+:mod:`kvgate.router.core.auth`); with no token configured the admin surface does not exist (404), so a forgotten setting never
 leaves it open. Bodies are
 read and validated here rather than by FastAPI's parameter binding, so the token is checked before anything about the
 body is revealed, within the same deadline as every body and :data:`MAX_ADMIN_BODY_BYTES`, and errors come back in
@@ -16,13 +16,14 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from kvgate.router.config import format_validation_error
+from kvgate.router.core.auth import Credentials
+from kvgate.router.core.errors import ApiError
 from kvgate.router.fleet.config import ReplicaConfig
-from kvgate.router.fleet.state import Fleet, Replica
-from kvgate.router.http.auth import Credentials
-from kvgate.router.http.bodies import parse_body, read_body
-from kvgate.router.http.errors import ApiError
-from kvgate.router.ops.reload import ConfigHolder
+from kvgate.router.fleet.replica import Replica
+from kvgate.router.fleet.state import Fleet
+from kvgate.router.pipeline.bodies import parse_body, read_body
+from kvgate.router.settings.holder import ConfigHolder
+from kvgate.router.settings.schema import format_validation_error
 
 MAX_ADMIN_BODY_BYTES = 65536
 """An admin body is one replica's settings: far less than this."""

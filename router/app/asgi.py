@@ -1,7 +1,8 @@
 """The gateway's ASGI app: OpenAI-compatible endpoints in front of the fleet, plus kvgate's own endpoints.
 
-``create_app(holder)`` builds the app around a :class:`kvgate.router.gateway.Gateway` (the composition root), which
-the app's lifespan starts on the event loop and stops.
+``create_app(holder)`` builds the app around a :class:`kvgate.router.gateway.Gateway` (the container of every
+component), which the app's lifespan starts on the event loop and stops; once it is built, the endpoint flows are
+composed from its components (:class:`Flows`), and each route is one line of :func:`create_app`.
 
 Handlers take the raw ``Request`` and return raw responses (FastAPI's body binding and pydantic validation would cost
 more CPU than the whole proxy hop). A body is decoded once with msgspec and forwarded as the very same bytes unless
@@ -20,12 +21,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvgate.router.apis.openai import CHAT, COMPLETIONS
+from kvgate.router.app.admin import build_admin_router
+from kvgate.router.core.errors import ApiError, install_error_handlers, unexpected_error
+from kvgate.router.endpoints.callers import Callers
+from kvgate.router.endpoints.events import EventIngest
+from kvgate.router.endpoints.explain import Explain
+from kvgate.router.endpoints.generate import Generate
+from kvgate.router.endpoints.info import Info
+from kvgate.router.endpoints.passthrough import Passthrough
+from kvgate.router.endpoints.peer_snapshot import PeerSnapshot
+from kvgate.router.endpoints.proxied import ProxiedRequests
 from kvgate.router.gateway import Gateway
-from kvgate.router.http.admin import build_admin_router
-from kvgate.router.http.errors import ApiError, install_error_handlers, unexpected_error
-from kvgate.router.ops.reload import ConfigHolder
 from kvgate.router.peers.warm_start import INSTANCE_HEADER
 from kvgate.router.pipeline.admit import ClientHeaders
+from kvgate.router.settings.holder import ConfigHolder
 
 _encode = msgspec.json.Encoder().encode
 
@@ -44,8 +54,8 @@ class ProxiedEndpoints:
     FastAPI's per-request layers — its telemetry check, the error, exception-telemetry and body-limit middlewares,
     route matching, the request wrapper and dependency solving — cost ~7% of kvgate's CPU on a short request in a
     py-spy profile, for handlers that take a raw ``Request`` and need none of it. Errors are answered here as the
-    app's handlers answer them (:mod:`router.http.errors`): an :class:`ApiError` as itself, anything unexpected as a
-    logged 500 in OpenAI's format.
+    app's handlers answer them (:mod:`kvgate.router.core.errors`): an :class:`ApiError` as itself, anything unexpected
+    as a logged 500 in OpenAI's format.
     """
 
     def __init__(self, app: ASGIApp, handlers: Mapping[str, Handler]) -> None:
@@ -66,14 +76,32 @@ class ProxiedEndpoints:
         await response(scope, receive, send)
 
 
+class Flows:
+    """The endpoint flows, composed from the gateway's components once it is built."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        g = gateway
+        holder = g.holder
+        callers = Callers(g.tenants, holder)
+        proxied = ProxiedRequests(holder, g.tenants, callers, g.catalog, g.forwarder, g.accounting)
+        self.generate = Generate(proxied, g.tokenize_stage, g.route_stage)
+        self.passthrough = Passthrough(proxied, g.route_stage)
+        self.explain = Explain(holder, callers, g.catalog, g.tokenize_stage, g.route_stage, g.index.generation)
+        self.events = EventIngest(holder, callers, g.ingestor)
+        self.peer_snapshot = PeerSnapshot(holder, callers, g.fleet, g.ingestor, g.subscriptions, g.warm_start)
+        self.info = Info(callers, g.fleet, g.warm_start, g.metrics)
+
+
 def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
-    """The gateway's ASGI app: :class:`ProxiedEndpoints` in front of the FastAPI app that serves everything else
-    (``.app``; its ``state.gateway`` is the :class:`Gateway`)."""
+    """The gateway's ASGI app: :class:`ProxiedEndpoints` in front of the FastAPI app that serves everything else."""
     gateway = Gateway(holder)
+    flows: list[Flows] = []
+    """The flows, once the lifespan has built the gateway (handlers run only after that)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
+        flows.append(Flows(gateway))
         app.include_router(build_admin_router(gateway.fleet, holder))
         try:
             yield
@@ -81,17 +109,16 @@ def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
             await gateway.stop()
 
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.gateway = gateway
     install_error_handlers(app)
 
     async def chat_completions(request: Request) -> Response:
-        return await gateway.generate(request, "chat", "/v1/chat/completions")
+        return await flows[0].generate(request, CHAT)
 
     async def completions(request: Request) -> Response:
-        return await gateway.generate(request, "completions", "/v1/completions")
+        return await flows[0].generate(request, COMPLETIONS)
 
     async def embeddings(request: Request) -> Response:
-        return await gateway.passthrough(request, "/v1/embeddings")
+        return await flows[0].passthrough(request, "/v1/embeddings")
 
     proxied: dict[str, Handler] = {
         "/v1/chat/completions": chat_completions,
@@ -103,7 +130,7 @@ def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return json_response({"object": "list", "data": gateway.models_for(ClientHeaders.of(request.scope))})
+        return json_response(flows[0].info.models(ClientHeaders.of(request.scope)))
 
     @app.get("/health")
     async def health() -> Response:
@@ -111,34 +138,23 @@ def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
 
     @app.get("/ready")
     async def ready(request: Request) -> Response:
-        """Open to probes: ready while a replica passes its health checks (open circuits are transient ejections,
-        and a client's failures must not unready the gateway); the routable replicas' names only to callers who may
-        send requests."""
-        if gateway.warming:
-            raise ApiError(503, "warming up from a peer's index snapshot", code="warming")
-        serving = gateway.fleet.serving()
-        if not serving:
-            raise ApiError(503, "no replica passes its health checks", code="no_replica")
-        if not gateway.may_call(ClientHeaders.of(request.scope)):
-            return json_response({"status": "ready"})
-        return json_response({"status": "ready", "routable": [r.name for r in serving if r.routable()]})
+        return json_response(flows[0].info.ready(ClientHeaders.of(request.scope)))
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        gateway.credentials.require_metrics(request.headers.get("authorization"))
-        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(flows[0].info.metrics_text(request.headers.get("authorization")), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/kvgate/v1/peer/snapshot")
     async def peer_snapshot(request: Request) -> Response:
         headers = request.headers
-        return gateway.peer_snapshot(headers.get("authorization"), headers.get(INSTANCE_HEADER))
+        return flows[0].peer_snapshot(headers.get("authorization"), headers.get(INSTANCE_HEADER))
 
     @app.post("/kvgate/v1/explain")
     async def explain(request: Request) -> Response:
-        return json_response(await gateway.explain(request))
+        return json_response(await flows[0].explain(request))
 
     @app.post("/kvgate/v1/events")
     async def events(request: Request) -> Response:
-        return json_response(await gateway.ingest_events(request))
+        return json_response(await flows[0].events(request))
 
     return ProxiedEndpoints(app, proxied)

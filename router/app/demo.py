@@ -1,8 +1,8 @@
 """``kvgate demo``: kvgate on 127.0.0.1:8000 in front of a 4-replica simulated fleet, in one command.
 
 Starts ``kvgate sim --replicas 4 --write-config <tmp>`` as a child process (:class:`kvgate.loadgen.procs.ChildProcess`:
-its own process group, stopped by PID on every exit path), waits until every replica answers ``/health``, prints how to call the gateway with curl and with
-the openai SDK, then serves in the foreground until Ctrl-C.
+its own process group, stopped by PID on every exit path), waits until every replica answers ``/health``, prints how
+to call the gateway with curl and with the openai SDK, then serves in the foreground until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from kvgate.loadgen.procs import ChildProcess
-from kvgate.router.ops.server import EXIT_BAD_CONFIG
+from kvgate.router.app import server
 
 SIM_REPLICAS = 4
 READY_TIMEOUT_S = 60.0
@@ -47,8 +47,6 @@ Response headers x-kvgate-replica / x-kvgate-decision say where each request wen
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvgate.router.ops import server
-
     with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as tmp:
         config = Path(tmp) / "fleet.yaml"
         sim = ChildProcess("kvgate sim", [
@@ -64,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                 config=str(config), host=args.host, port=args.port, policy=args.policy, log_level="info"
             )
             code = server.run(serve_args)
-            return code if code != EXIT_BAD_CONFIG else 1
+            return code if code != server.EXIT_BAD_CONFIG else 1
         except (RuntimeError, TimeoutError) as e:
             print(f"kvgate demo: {e}", file=sys.stderr)
             return 1

@@ -39,7 +39,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from kvgate.router.http.errors import ApiError
+from kvgate.router.core.errors import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``kvgate serve``: load and validate the policy file, then run the gateway under uvicorn.
 
 uvloop + httptools with bounds on request headers and deadlines on headers and bodies
-(:mod:`kvgate.router.http.protocol`), no access log (the gateway writes its own one line per request), and uvicorn's
+(:mod:`kvgate.router.app.protocol`), no access log (the gateway writes its own one line per request), and uvicorn's
 graceful shutdown: on SIGTERM/SIGINT it stops accepting, lets in-flight requests and streams finish for up to
 ``server.shutdown_grace_s``, then cancels what is left. A bad policy file stops the process with exit code 2 and a
 message that names the field.
@@ -19,13 +19,14 @@ import sys
 import uvicorn
 
 from kvgate.policies.registry import POLICY_NAMES
-from kvgate.router.config import ConfigError, KvgateConfig
-from kvgate.router.http.app import create_app
-from kvgate.router.http.protocol import BoundedHttpProtocol
-from kvgate.router.ops.logs import configure_logging
-from kvgate.router.ops.reload import ConfigHolder
+from kvgate.router.app.asgi import create_app
+from kvgate.router.app.protocol import BoundedHttpProtocol
+from kvgate.router.core.errors import ConfigError
+from kvgate.router.core.logs import configure_logging
+from kvgate.router.settings.holder import ConfigHolder
+from kvgate.router.settings.schema import KvgateConfig
 
-log = logging.getLogger("kvgate.server")
+log = logging.getLogger(__name__)
 
 EXIT_BAD_CONFIG = 2
 GC_YOUNG_THRESHOLD = 10_000

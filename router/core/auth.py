@@ -3,7 +3,7 @@
 Each is a bearer token set in the policy file or, when the file leaves it unset, in an environment variable (so it can
 live in a Kubernetes Secret rather than in the ConfigMap). Tokens are kept and compared as SHA-256 digests with
 :func:`hmac.compare_digest`, so neither the answer nor its timing depends on how much of a guess was right, nor on the
-token's length. Tenants' API keys are not here: :mod:`router.http.tenants` resolves them.
+token's length. Tenants' API keys are not here: :mod:`kvgate.router.core.tenants` resolves them.
 
 The event-ingest token must differ from the admin token: it sits with engines or their sidecars, and a leaked copy
 may let its holder write the prefix index, never reconfigure the fleet.
@@ -17,9 +17,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvgate.router.config import ConfigError
-from kvgate.router.http.config import ServerConfig
-from kvgate.router.http.errors import ApiError
+from kvgate.router.core.config import ServerConfig
+from kvgate.router.core.errors import ApiError, ConfigError
 
 ADMIN_TOKEN_ENV = "KVGATE_ADMIN_TOKEN"
 EVENTS_TOKEN_ENV = "KVGATE_EVENTS_TOKEN"

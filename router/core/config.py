@@ -1,10 +1,12 @@
-"""The HTTP surface's sections of the policy file: the server, the shape requests may have, and tenants."""
+"""The sections of the policy file that several floors of the gateway read: the server, the shape requests may have,
+tenants, the prefix index the gateway builds, and the model catalog."""
 
 from __future__ import annotations
 
 from pydantic import Field, SecretStr
 
-from kvgate.cache_index.config import Section
+from kvgate.policies.config import PrefillCost
+from kvgate.policies.section import Section
 
 
 class ServerConfig(Section):
@@ -98,3 +100,34 @@ class TenantsConfig(Section):
     @property
     def enabled(self) -> bool:
         return bool(self.api_keys) or self.keys_file is not None
+
+
+class IndexConfig(Section):
+    """The prefix index the gateway keeps (:mod:`kvgate.cache_index`, which takes these as plain arguments)."""
+
+    max_entries: int = Field(5_000_000, ge=1)
+    """Cap on (block, replica) holdings; least recently matched chains are evicted first."""
+    predicted_ttl_s: float = Field(2.0, ge=0)
+    """Blocks of a just-routed prompt count as held ("predicted") on that replica for this long, or until confirmed."""
+    replay_timeout_s: float = Field(2.0, gt=0)
+    """How long a replay request may take before the replica is purged instead."""
+
+
+class ModelConfig(Section):
+    """One model the fleet serves: what tokenizing its prompts, keying its blocks and pricing its prefill need."""
+
+    name: str
+    """Model name as clients send it and engines serve it."""
+    tokenizer: str | None = None
+    """Local model directory (tokenizer.json + tokenizer_config.json) or a tokenizer.json path."""
+    block_size: int = Field(16, ge=1)
+    """Engine KV block size in tokens, a default: each replica's own (its events' block_size, else its scraped
+    cache_config_info) is used once known; a stated value an engine contradicts is logged and metered."""
+    weight_version: str = ""
+    """Changing it starts a new namespace: every old cached prefix simply misses."""
+    prefill: PrefillCost = PrefillCost()
+    kv_bytes_per_token: int = Field(320 * 1024, gt=0)
+    """KV-cache bytes per token (all layers); sizes transfers."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt the model takes, in tokens; longer prompts get 400 before they are forwarded. When unset, the
+    largest ``max_model_len`` its replicas report in /v1/models (vLLM does)."""

@@ -1,9 +1,10 @@
-"""OpenAI-style error bodies, so every client SDK shows kvgate's errors the way it shows OpenAI's.
+"""kvgate's errors: OpenAI-style error answers, and the error of a policy file that cannot be used.
 
 Client mistakes (bad JSON, missing fields, unknown model, too large, bad key) raise :class:`ApiError` anywhere on the
-request path; one exception handler turns it into ``{"error": {"message", "type", "param", "code"}}``. Framework
-errors (unknown route, wrong method, admin body validation) get the same shape, so no client ever sees a bare HTML
-or FastAPI-style error, and an unexpected bug is a 500 in the same shape rather than a dropped connection.
+request path; one exception handler turns it into ``{"error": {"message", "type", "param", "code"}}``, so every
+client SDK shows kvgate's errors the way it shows OpenAI's. Framework errors (unknown route, wrong method, admin body
+validation) get the same shape, so no client ever sees a bare HTML or FastAPI-style error, and an unexpected bug is
+a 500 in the same shape rather than a dropped connection.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-log = logging.getLogger("kvgate.errors")
+log = logging.getLogger(__name__)
 
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -34,6 +35,10 @@ ERROR_TYPES: dict[int, str] = {
     503: "service_unavailable",
     504: "upstream_timeout",
 }
+
+
+class ConfigError(Exception):
+    """A policy file that cannot be used; the message names the field and the problem, never a value."""
 
 
 class ApiError(Exception):

@@ -101,6 +101,10 @@ class RequestLogger:
         self.enabled = enabled
         self._log = logging.getLogger(REQUEST_LOGGER)
 
+    def reconfigure(self, enabled: bool) -> None:
+        """``server.log_requests`` of a reloaded policy file."""
+        self.enabled = enabled
+
     def request(self, **fields: Any) -> None:
         if self.enabled and self._log.isEnabledFor(logging.INFO):
             self._log.info("request", extra={"fields": fields})

@@ -5,8 +5,8 @@ label lookup for a fixed label set). Everything that is already counted elsewher
 breaker states, the index's and ingestor's counters, the tokenizer's counters, the cost model's coefficients, reload
 and replication counters) is read at scrape time by collectors, so the request path pays nothing for it.
 
-Prefill savings are priced by the cost model (:func:`prefill_avoided_ms`): the engines do not report prefill time,
-so "what caching paid" is the model's prefill of the work that was skipped, with its calibrated coefficients.
+Prefill savings are priced by the cost model (:meth:`kvgate.policies.cost_model.CostModel.prefill_avoided_ms`): the
+engines do not report prefill time, so "what caching paid" is the model's prefill of the work that was skipped.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvgate.cache_index.ingest import DROP_REASONS
-from kvgate.policies.cost_model import CostModel
 
-log = logging.getLogger("kvgate.metrics")
+log = logging.getLogger(__name__)
 
 M = TypeVar("M", Counter, Histogram)
 
@@ -38,13 +37,6 @@ TRANSFER_RESULTS = ("started", "completed", "failed", "fallback")
 TRANSFER_KINDS = ("transfer", "disaggregated")
 """What a handshake was for: a warm prefix pulled from a replica holding it (a routed transfer or a warm-up), or a
 disaggregated request's prefill leg on a prefill replica."""
-
-
-def prefill_avoided_ms(cost_model: CostModel, prompt_tokens: int, cached_tokens: int) -> float:
-    """Prefill skipped because ``cached_tokens`` leading tokens of a ``prompt_tokens`` prompt were already held: the
-    cost model's prefill of the whole prompt minus that of the uncached rest after the cached context."""
-    cached = max(0, min(cached_tokens, prompt_tokens))
-    return cost_model.prefill_ms(prompt_tokens) - cost_model.prefill_ms(prompt_tokens - cached, context=cached)
 
 
 class LabelledChildren(Generic[M]):

@@ -23,9 +23,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from kvgate.router.config import ConfigError
-from kvgate.router.http.auth import bearer_token
-from kvgate.router.http.config import TenantsConfig
+from kvgate.router.core.auth import bearer_token
+from kvgate.router.core.config import TenantsConfig
+from kvgate.router.core.errors import ConfigError
 
 SALT_PREFIX = "kvg-"
 SALT_HEX_DIGITS = 32
@@ -48,14 +48,21 @@ class TenantResolver:
     def __init__(self, config: TenantsConfig, environ: Mapping[str, str] = os.environ) -> None:
         """Raises :class:`ConfigError` when the keys file cannot be read or has a malformed line, or when tenants are
         configured without a usable salt secret."""
+        self._environ = environ
+        self.reconfigure(config)
+
+    def reconfigure(self, config: TenantsConfig) -> None:
+        """Take a reloaded ``tenants`` section (the keys file and the salt secret are read again); a section that
+        cannot be used raises :class:`ConfigError` and changes nothing."""
         digests: list[tuple[bytes, str]] = [
             (hashlib.sha256(key.encode()).digest(), tenant) for key, tenant in config.api_keys.items()
         ]
         if config.keys_file is not None:
             digests.extend(read_keys_file(config.keys_file))
+        salt_key = salt_secret(config, self._environ) if config.enabled else b""
         self._digests = digests
         self.enabled = config.enabled
-        self._salt_key = salt_secret(config, environ) if self.enabled else b""
+        self._salt_key = salt_key
         self._models = {tenant: tuple(patterns) for tenant, patterns in config.models.items()}
 
     def resolve(self, authorization: str | None) -> str | None:

@@ -1,5 +1,6 @@
-"""The body of ``POST /kvgate/v1/explain``: a request routed with ``explain=True``, laid out as the decision and the
-numbers behind it, per replica; and the part of it a tenant may see (:func:`tenant_view`)."""
+"""``POST /kvgate/v1/explain``: a completions or chat body routed without being sent (admit → parse → tokenize →
+route), answered with the decision and the numbers behind it, per replica (:func:`explain_body`); a tenant sees only
+the part of it that is its own (:func:`tenant_view`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,48 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from starlette.requests import Request
+
 from kvgate.policies.explain import explain_replicas
-from kvgate.router.routing.router import Routed
+from kvgate.router.apis.openai import CHAT, COMPLETIONS
+from kvgate.router.endpoints.callers import Callers
+from kvgate.router.pipeline.admit import Admission, check_client_ids, read_within_limits
+from kvgate.router.pipeline.parse import parse, salt_for_tenant
+from kvgate.router.pipeline.route import RouteStage
+from kvgate.router.pipeline.tokenize import TokenizeStage
+from kvgate.router.routing.catalog import ModelCatalog
+from kvgate.router.routing.records import Routed
+from kvgate.router.settings.holder import ConfigHolder
+
+
+class Explain:
+    def __init__(
+        self, holder: ConfigHolder, callers: Callers, catalog: ModelCatalog, tokenize: TokenizeStage,
+        route: RouteStage, generation_of: Callable[[str], int | None],
+    ) -> None:
+        self.holder = holder
+        self.callers = callers
+        self.catalog = catalog
+        self.tokenize = tokenize
+        self.route = route
+        self.generation_of = generation_of
+        """The index's generation of a replica (None when the index does not track it)."""
+
+    async def __call__(self, request: Request) -> dict[str, Any]:
+        admission = Admission.of(request.scope)
+        admission.tenant, full = self.callers.explain_caller(admission.client, request.headers)
+        config = self.holder.current
+        check_client_ids(admission.client, config.limits)
+        raw = await read_within_limits(request, config.server, config.limits)
+        may_use = (lambda model: True) if full else self.callers.may_use(admission.tenant)
+        parsed = parse(raw, None, self.catalog, may_use)
+        parsed.api = CHAT if "messages" in parsed.body else COMPLETIONS
+        parsed.max_tokens = parsed.api.max_tokens(parsed.body)
+        parsed = salt_for_tenant(parsed, self.callers.tenants, admission.tenant)
+        prompt = await self.tokenize.tokenize(parsed)
+        routed = self.route.route(prompt, admission, parsed.stream, explain=True)
+        explained = explain_body(routed, config.policy.name, self.generation_of)
+        return explained if full else tenant_view(explained)
 
 
 def explain_body(routed: Routed, policy: str, generation_of: Callable[[str], int | None]) -> dict[str, Any]:
@@ -16,6 +57,7 @@ def explain_body(routed: Routed, policy: str, generation_of: Callable[[str], int
     (None when the index does not track it)."""
     decision = routed.decision
     request = routed.request
+    assert routed.routing is not None and routed.tokenized is not None
     numbers = decision.details.get("replicas")
     if not isinstance(numbers, dict):
         numbers = explain_replicas(request, list(routed.views.values()), routed.routing.cost_model)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvgate.policies.config import ModelConfig
+from kvgate.router.core.config import ModelConfig
 
-log = logging.getLogger("kvgate.block_sizes")
+log = logging.getLogger(__name__)
 
 
 class BlockSizes:

@@ -10,8 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from kvgate.cache_index.config import Section
-
+from kvgate.policies.section import Section
 
 Role = Literal["prefill", "decode", "both"]
 """A replica's part in prefill/decode disaggregation."""

@@ -1,11 +1,12 @@
-"""Dispatched work that peer gateways report, per replica.
+"""Dispatched work that peer gateways report, per replica: what the fleet adds to its own count in each view.
 
 A gateway counts its own requests still prefilling on each replica exactly (the fleet's load tickets), and its own
 dispatch rate there. Its peers' it learns otherwise only from the engine: the scraped waiting queue, which misses a
 prefill already running and costs each queued request at a mean size, and the scraped finish rate, which trails the
 arrivals while a queue builds. With ``peers.hints``, every gateway also publishes its own per-replica work (prefill
-tokens, requests prefilling, dispatch rate) at each dispatch and a few times a second, and each receiver adds its
-peers' to its own when it estimates a replica's queue and the arrivals a prefill there would hold up.
+tokens, requests prefilling, dispatch rate) at each dispatch and a few times a second (:mod:`kvgate.router.peers.hints`
+sends and receives them and writes what it receives here), and each receiver adds its peers' to its own when it
+estimates a replica's queue and the arrivals a prefill there would hold up.
 
 A peer's report replaces its previous one and counts until ``peers.hints.work_ttl_s`` after it was sent (the
 gateways' wall clocks): a peer that stops reporting (gone, partitioned, restarted under a new instance id) stops
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvgate.router.fleet.state import NO_WORK, DispatchedWork
+from kvgate.router.fleet.tickets import NO_WORK, DispatchedWork
 
 MAX_REPORTED_REPLICAS = 4096
 """More replicas than this in one report is no report a gateway sends."""

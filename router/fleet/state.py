@@ -2,15 +2,16 @@
 
 Everything here runs on the gateway's one asyncio loop, so state is plain attributes with no locks. Each replica has
 two background tasks: an active health probe (``/health`` plus a ``/v1/models`` refresh) and a ``/metrics`` scrape.
-Load the router causes itself is counted exactly and synchronously: :meth:`Fleet.dispatch` adds a request and its
-uncached prompt tokens, the returned :class:`LoadTicket` removes the prompt tokens at the first token and the request
-at the end. Scraped engine numbers add what the router cannot see (requests that bypassed it) and are ignored once
+Load the gateway causes itself is counted exactly and synchronously: :meth:`Fleet.dispatch` adds a request and its
+uncached prompt tokens, the returned :class:`~kvgate.router.fleet.tickets.LoadTicket` removes the prompt tokens at
+the first token and the request at the end. Scraped engine numbers add what the router cannot see (requests that bypassed it) and are ignored once
 older than ``scrape.stale_after_ms``.
 
 Listeners hear about replicas appearing, disappearing and being reset; a reset means the replica's cached state is in
 doubt (it was down and came back), so the prefix index forgets what it knew about it. An engine whose scraped process
-start time moved restarted, whether or not its health checks noticed: listeners hear that too (``on_restarted``). Draining is not a reset: the
-engine keeps its cache and still publishes its events, and the cost policy may pull that cache from it by transfer.
+start time moved restarted, whether or not its health checks noticed: listeners hear that too (``on_restarted``).
+Draining is not a reset: the engine keeps its cache and still publishes its events, and the cost policy may pull
+that cache from it by transfer.
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import aiohttp
 
 from kvgate.cache_index.match import PrefixMatch
 from kvgate.policies.base import ReplicaView
-from kvgate.policies.rate import DecayedRate
-from kvgate.router.config import KvgateConfig
 from kvgate.router.fleet.config import ReplicaConfig
+from kvgate.router.fleet.peer_work import PeerWork
+from kvgate.router.fleet.replica import Replica
+from kvgate.router.fleet.tickets import NO_WORK, DispatchedWork, LoadTicket
 from kvgate.router.upstream.breaker import CircuitBreaker
-from kvgate.router.upstream.health import HealthState, fetch_models, probe_health
+from kvgate.router.upstream.config import BreakerConfig, HealthConfig, ScrapeConfig
+from kvgate.router.upstream.health import fetch_models, probe_health
 from kvgate.router.upstream.scrape import ScrapedLoad, scrape_metrics
 
 log = logging.getLogger(__name__)
@@ -40,138 +44,6 @@ RECOVERY_SCRAPES = 5
 that it recovers without one, and the index forgets what it learned while the replica was down."""
 SCRAPE_TIMEOUT_CAP_S = 1.0
 """A /metrics answer slower than this is useless for 100 ms load tracking."""
-ARRIVAL_RATE_HALF_LIFE_S = 10.0
-"""Memory of each replica's arrival rate: long enough to average a few dozen requests at a few per second, short
-enough to follow traffic that moved within a minute."""
-
-
-class DispatchedWork(NamedTuple):
-    """What one gateway has sent one replica: uncached prompt tokens and requests still prefilling, and its recent
-    dispatch rate (``Replica.arrivals``). Peer gateways exchange these (:mod:`router.peers.work`)."""
-
-    prefill_tokens: int = 0
-    prefilling: int = 0
-    arrival_rate_per_s: float = 0.0
-
-
-NO_WORK = DispatchedWork()
-
-
-class Replica:
-    """One engine replica and everything the router knows about it."""
-
-    def __init__(self, config: ReplicaConfig, breaker: CircuitBreaker) -> None:
-        self.config = config
-        self.breaker = breaker
-        self.healthy = False
-        self.draining = False
-        self.in_flight = 0
-        self.in_flight_prefill_tokens = 0
-        self.in_flight_prefilling = 0
-        self.arrivals = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
-        """Requests the router dispatched here lately (every attempt, warm-ups and transfer legs included)."""
-        self.engine_finishes = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
-        """Requests the engine finished lately, whoever sent them (its scraped counter, differenced)."""
-        self.scraped: ScrapedLoad | None = None
-        self.engine_started_at: float | None = None
-        """The engine process's start time as last scraped (None if it does not export one)."""
-        self.recovery_scrapes = 0
-        """Health probes pass again after an outage, and this many recovery scrapes found no /metrics answer: the
-        replica takes requests once one answers (or after ``RECOVERY_SCRAPES`` tries)."""
-        self.served_models: list[dict[str, Any]] = []
-        self.generation = 0
-        self.health = HealthState()
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def url(self) -> str:
-        return self.config.url
-
-    def routable(self) -> bool:
-        return self.healthy and not self.draining and self.breaker.allow()
-
-    def arrival_rate_per_s(self, now: float, peers_per_s: float = 0.0) -> float:
-        """Requests per second arriving here: this router's own dispatches plus what its peer gateways report sending
-        (``peers_per_s``), or the engine's finish rate when that is higher (direct callers send it work too; in a
-        steady state finishes match arrivals). The finish rate alone is no substitute for the peers' reports: it
-        trails arrivals while a queue builds, and by a scrape interval always."""
-        return max(self.arrivals.per_s(now) + peers_per_s, self.engine_finishes.per_s(now))
-
-    def record_scrape(self, load: ScrapedLoad) -> bool:
-        """Keep the newest scrape; count the requests the engine finished since the previous one. A counter that went
-        down means the engine restarted: that interval counts nothing. True when the engine's process start time
-        moved since the last scrape that had one (the engine restarted)."""
-        previous = self.scraped
-        self.scraped = load
-        if previous is not None and previous.finished is not None and load.finished is not None:
-            finished = load.finished - previous.finished
-            if finished > 0:
-                self.engine_finishes.add(load.at, finished)
-        if load.started_at is None:
-            return False
-        restarted = self.engine_started_at is not None and load.started_at != self.engine_started_at
-        self.engine_started_at = load.started_at
-        return restarted
-
-    def can_source(self) -> bool:
-        """Can serve a transfer's prefill-only first leg: the engine passes health checks and real requests are not
-        failing (breaker closed). Draining does not matter: no new requests, but its cache is still there."""
-        return self.healthy and self.breaker.state == "closed"
-
-    def __repr__(self) -> str:
-        return f"Replica({self.name!r}, healthy={self.healthy}, draining={self.draining}, in_flight={self.in_flight})"
-
-
-class LoadTicket:
-    """The load one dispatched request puts on its replica, released exactly once."""
-
-    __slots__ = ("replica", "caller", "_prefill_tokens", "_prefilling", "_finished")
-
-    def __init__(self, replica: Replica, prefill_tokens: int, caller: str | None = None) -> None:
-        self.replica = replica
-        self.caller = caller
-        """Whose request it is (the tenant, None without tenants): the breaker counts failures by caller."""
-        self._prefill_tokens = prefill_tokens
-        self._prefilling = True
-        self._finished = False
-        replica.in_flight += 1
-        replica.in_flight_prefill_tokens += prefill_tokens
-        replica.in_flight_prefilling += 1
-        replica.breaker.on_dispatch(caller)
-
-    def first_token(self) -> None:
-        """The prefill is done: the request and its tokens no longer wait on the replica. Idempotent."""
-        if not self._prefilling:
-            return
-        self._prefilling = False
-        self.replica.in_flight_prefill_tokens -= self._prefill_tokens
-        self.replica.in_flight_prefilling -= 1
-        self._prefill_tokens = 0
-
-    def finish(self, ok: bool | None) -> None:
-        """The request is over. ``ok``: True, the replica served it; False, a failure blamed on the replica (it
-        counts toward opening the breaker); None, it proves neither (the engine refused what the client sent, or a
-        failure not yet blamed on the replica, see :meth:`blame`). Idempotent: only the first call counts."""
-        if self._finished:
-            return
-        self._finished = True
-        self.first_token()
-        self.replica.in_flight -= 1
-        breaker = self.replica.breaker
-        if ok:
-            breaker.record_success()
-        elif ok is None:
-            breaker.record_inconclusive()
-        else:
-            breaker.record_failure(self.caller)
-
-    def blame(self) -> None:
-        """A failure this ticket ended with unblamed (``finish(None)``) turned out to be the replica's: the same
-        request succeeded on another replica."""
-        self.replica.breaker.record_failure(self.caller)
 
 
 class FleetListener:
@@ -196,22 +68,29 @@ class FleetListener:
 
 
 class Fleet:
+    """The replicas, from the policy file's ``replicas`` and what discovery and the admin API add, read with the
+    ``health``, ``scrape`` and ``breaker`` sections (:meth:`reconfigure` takes reloaded ones)."""
+
     def __init__(
-        self, config: KvgateConfig, session: aiohttp.ClientSession, clock: Callable[[], float] = time.monotonic
+        self, replicas: Sequence[ReplicaConfig], session: aiohttp.ClientSession, *, health: HealthConfig,
+        scrape: ScrapeConfig, breaker: BreakerConfig, clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config
+        self.health = health
+        self.scrape = scrape
+        self.breaker = breaker
         self.session = session
         self.clock = clock
         self.replicas: dict[str, Replica] = {}
         self.listeners: list[FleetListener] = []
-        self.peer_work: Callable[[str], DispatchedWork] | None = None
-        """What other gateways dispatched to a replica (``peers.hints``), added to this gateway's own in its views."""
+        self.peer_work: PeerWork | None = None
+        """What other gateways dispatched to each replica (written by ``peers.hints``), added to this gateway's own
+        in its views; None without work sharing."""
         self._from_config: set[str] = set()
         """Replicas the policy file owns; admin-added ones survive reloads that do not mention them."""
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._started = False
-        for cfg in config.replicas:
+        for cfg in replicas:
             self._insert(cfg)
             self._from_config.add(cfg.name)
 
@@ -250,14 +129,14 @@ class Fleet:
 
     def arrival_rate_per_s(self, replica: Replica, now: float | None = None) -> float:
         """Requests per second arriving at ``replica`` from every gateway (:meth:`Replica.arrival_rate_per_s`)."""
-        peers = NO_WORK if self.peer_work is None else self.peer_work(replica.name)
+        peers = NO_WORK if self.peer_work is None else self.peer_work.work(replica.name)
         return replica.arrival_rate_per_s(self.clock() if now is None else now, peers.arrival_rate_per_s)
 
     def view(self, name: str, match: PrefixMatch, *, session_match: bool = False) -> ReplicaView:
         r = self.replicas[name]
         now = self.clock()
         scraped = self.fresh_scrape(r, now)
-        peers = NO_WORK if self.peer_work is None else self.peer_work(name)
+        peers = NO_WORK if self.peer_work is None else self.peer_work.work(name)
         prefilling = r.in_flight_prefilling + peers.prefilling
         return ReplicaView(
             name=r.name,
@@ -282,7 +161,7 @@ class Fleet:
     def fresh_scrape(self, replica: Replica, now: float | None = None) -> ScrapedLoad | None:
         """The replica's scraped numbers, or None when there are none younger than ``scrape.stale_after_ms``."""
         s = replica.scraped
-        if s is None or ((self.clock() if now is None else now) - s.at) * 1000.0 > self.config.scrape.stale_after_ms:
+        if s is None or ((self.clock() if now is None else now) - s.at) * 1000.0 > self.scrape.stale_after_ms:
             return None
         return s
 
@@ -320,7 +199,7 @@ class Fleet:
         """Whether one more replica's circuit may open: at most ``breaker.max_ejected_fraction`` of the fleet (at
         least one replica) is ejected at once, so failures that are really the clients' cannot empty the fleet."""
         ejected = sum(1 for r in self.replicas.values() if r.breaker.state != "closed")
-        return ejected < max(1, int(self.config.breaker.max_ejected_fraction * len(self.replicas)))
+        return ejected < max(1, int(self.breaker.max_ejected_fraction * len(self.replicas)))
 
     def serving(self) -> list[Replica]:
         """Replicas that pass their health checks and are not draining, whatever their circuits say: what readiness
@@ -355,16 +234,18 @@ class Fleet:
         self._detach(name)
         await self._await_cancelled()
 
-    def apply_config(self, config: KvgateConfig) -> None:
+    def reconfigure(
+        self, replicas: Sequence[ReplicaConfig], *, health: HealthConfig, scrape: ScrapeConfig, breaker: BreakerConfig
+    ) -> None:
         """A reloaded policy file: add, remove and update the replicas it owns; intervals and breaker thresholds take
         effect at each loop's next step. A replica whose endpoints changed is replaced (its cached state is another
         engine's). The file is the source of truth for its replicas: one removed through the admin API but still
         listed comes back."""
         old = {name: self.replicas[name].config for name in self._from_config if name in self.replicas}
-        new = {cfg.name: cfg for cfg in config.replicas}
-        self.config = config
+        new = {cfg.name: cfg for cfg in replicas}
+        self.health, self.scrape, self.breaker = health, scrape, breaker
         for r in self.replicas.values():
-            r.breaker.config = config.breaker
+            r.breaker.config = breaker
         for name in old.keys() - new.keys():
             self._detach(name)
         for name, cfg in new.items():
@@ -381,7 +262,7 @@ class Fleet:
     # internals
 
     def _insert(self, cfg: ReplicaConfig) -> Replica:
-        replica = Replica(cfg, CircuitBreaker(self.config.breaker, self.clock, self.may_eject))
+        replica = Replica(cfg, CircuitBreaker(self.breaker, self.clock, self.may_eject))
         self.replicas[cfg.name] = replica
         if self._started:
             self._notify("on_added", replica)
@@ -416,7 +297,7 @@ class Fleet:
         if first_look:
             await self._first_look(replica)
         while True:
-            await asyncio.sleep(self.config.health.interval_s)
+            await asyncio.sleep(self.health.interval_s)
             try:
                 await self._check_health(replica)
             except Exception:  # a bug in one probe must not end the loop for good
@@ -424,7 +305,7 @@ class Fleet:
 
     async def _scrape_loop(self, replica: Replica) -> None:
         while True:
-            await asyncio.sleep(self.config.scrape.interval_ms / 1000.0)
+            await asyncio.sleep(self.scrape.interval_ms / 1000.0)
             if replica.healthy:
                 try:
                     await self._scrape(replica)
@@ -432,7 +313,7 @@ class Fleet:
                     log.exception("scrape of %s failed unexpectedly", replica.name)
 
     async def _scrape(self, replica: Replica) -> ScrapedLoad | None:
-        timeout = min(SCRAPE_TIMEOUT_CAP_S, self.config.scrape.stale_after_ms / 2000.0)
+        timeout = min(SCRAPE_TIMEOUT_CAP_S, self.scrape.stale_after_ms / 2000.0)
         load = await scrape_metrics(self.session, replica.url, timeout, self.clock)
         if load is not None and replica.record_scrape(load) and self.replicas.get(replica.name) is replica:
             log.warning("replica %s restarted (process start time moved to %.3f)", replica.name, load.started_at)
@@ -440,7 +321,7 @@ class Fleet:
         return load
 
     async def _check_health(self, replica: Replica) -> None:
-        health = self.config.health
+        health = self.health
         ok = await probe_health(self.session, replica.url, health.timeout_s)
         if ok:
             models = await fetch_models(self.session, replica.url, health.timeout_s)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvgate.cache_index.config import Section
+from kvgate.policies.section import Section
 from kvgate.router.fleet.config import ZMQ_ENDPOINT, DnsDiscoveryConfig, PortRef, http_base_url
 
 

@@ -8,7 +8,7 @@ peers': one message ``[2, sent_at, sender, replica, keys]`` (msgpack; keys as pa
 
 At each dispatch, and otherwise when it changed, it also publishes the work it has dispatched per replica,
 ``[4, sent_at, sender, [[replica, prefill tokens, requests prefilling, requests per second], ...]]``, which its peers
-add to their own when they estimate a replica's queue and arrival rate (:mod:`router.peers.work`). A gateway of
+add to their own when they estimate a replica's queue and arrival rate (:mod:`kvgate.router.fleet.peer_work`). A gateway of
 another version speaks another format number: the two ignore each other's reports (counted as dropped) and route on
 their own view.
 
@@ -56,9 +56,9 @@ from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.snapshot import pack_keys, unpack_keys
 from kvgate.router.fleet.config import DiscoveryConfig, DiscoveryPorts
 from kvgate.router.fleet.discovery.dns import DnsSource, ResolutionFailed
+from kvgate.router.fleet.peer_work import MAX_REPORTED_REPLICAS, PeerWork
+from kvgate.router.fleet.tickets import DispatchedWork
 from kvgate.router.peers.config import PeersConfig
-from kvgate.router.fleet.state import DispatchedWork
-from kvgate.router.peers.work import MAX_REPORTED_REPLICAS, PeerWork
 
 log = logging.getLogger(__name__)
 
@@ -245,10 +245,6 @@ class HintExchange:
         if self._pub is not None and 0 <= prefix_key <= MAX_PREFIX_KEY \
                 and self._send(Warming(self.clock(), self.sender, target, prefix_key)):
             self.stats.published += 1
-
-    def peer_work(self, replica: str) -> DispatchedWork:
-        """What the peers dispatched to ``replica``, as far as their reports still count."""
-        return self.work.work(replica)
 
     def apply(self, message: bytes) -> bool:
         """Take in one received message; False when it is dropped (or is this gateway's own)."""

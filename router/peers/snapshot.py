@@ -32,7 +32,8 @@ from kvgate.cache_index.snapshot import (
     import_state,
 )
 from kvgate.cache_index.subscriber import SubscriptionManager
-from kvgate.router.fleet.state import Fleet, Replica
+from kvgate.router.fleet.replica import Replica
+from kvgate.router.fleet.state import Fleet
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Warm start: a starting gateway takes its prefix index from a running peer instead of starting cold.
+"""Warm start: a starting gateway takes its prefix index from a running peer instead of starting cold
+(:class:`WarmStart`).
 
 Peers are the policy file's ``peers.urls`` and the addresses of the gateways' headless Service (``peers.dns``,
 resolved as engine discovery resolves the engines'). They are asked in random order for ``GET
@@ -6,7 +7,8 @@ resolved as engine discovery resolves the engines'). They are asked in random or
 answers 503 and is asked again in the next round; a gateway never takes its own snapshot (the request carries this
 process's instance id, and a gateway answers its own with 409). Rounds go on while some peer may still answer and
 the time allowed (``peers.warm_start_timeout_s``) lasts: with no peer to ask, or none able to give a snapshot, the
-gateway goes on cold at once.
+gateway goes on cold at once. Either way the index's event subscriptions then start (:meth:`IndexFeed.release
+<kvgate.router.indexing.IndexFeed.release>`), each stream resuming where the snapshot left it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ import random
 
 import aiohttp
 
+from kvgate.cache_index.ingest import EventIngestor
 from kvgate.router.fleet.config import DiscoveryConfig, DiscoveryPorts
 from kvgate.router.fleet.discovery.dns import DnsSource, ResolutionFailed
+from kvgate.router.fleet.state import Fleet
+from kvgate.router.indexing import Anchors, IndexFeed
 from kvgate.router.peers.config import PeersConfig
-from kvgate.router.peers.snapshot import CONTENT_TYPE, Snapshot, SnapshotRejected, decode_snapshot
+from kvgate.router.peers.snapshot import (
+    CONTENT_TYPE, Applied, Snapshot, SnapshotRejected, apply_snapshot, decode_snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,3 +114,68 @@ async def take_from_peers(
         if not retry or loop.time() + RETRY_INTERVAL_S >= deadline:
             return None
         await asyncio.sleep(RETRY_INTERVAL_S)
+
+
+class WarmStart:
+    """Takes the prefix index from a peer (within ``peers.warm_start_timeout_s``), then releases the index's event
+    subscriptions, each stream resuming where the snapshot left it; without a snapshot, from scratch. Until then
+    the gateway is not ready, and gives no snapshot itself (``warming``)."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, peers: PeersConfig, token: str | None, instance: str, fleet: Fleet,
+        ingestor: EventIngestor, feed: IndexFeed, discovery: DiscoveryConfig,
+    ) -> None:
+        self.session = session
+        self.peers = peers
+        self.token = token
+        self.instance = instance
+        self.fleet = fleet
+        self.ingestor = ingestor
+        self.feed = feed
+        self.discovery = discovery
+        self.warming = peers.enabled and peers.warm_start_timeout_s > 0
+        """Taking the prefix index from a peer: not ready, and event subscriptions wait."""
+
+    async def run(self) -> None:
+        anchors: Anchors = {}
+        try:
+            applied = await self._take_snapshot()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not keep the gateway unsubscribed
+            log.exception("warm start failed; starting cold")
+        else:
+            anchors = {} if applied is None else applied.anchors
+        self.warming = False
+        self.feed.release(anchors)
+
+    async def _take_snapshot(self) -> Applied | None:
+        peers = self.peers
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + peers.warm_start_timeout_s
+        taken = await take_from_peers(self.session, peers, self.token, self.instance, peers.warm_start_timeout_s)
+        if taken is None:
+            log.warning("warm start: no peer gave a snapshot; starting cold")
+            return None
+        url, snapshot = taken
+        await self._discovered(snapshot, min(deadline, loop.time() + self.discovery.interval_s))
+        try:
+            applied = apply_snapshot(snapshot, self.fleet, self.ingestor, self.feed.namespace_of)
+        except SnapshotRejected as e:
+            log.warning("warm start: snapshot from %s rejected, starting cold: %s", url, e)
+            return None
+        log.info("warm start from %s: %d replicas imported, %d left out %s", url, len(applied.imported),
+                 len(applied.left_out), applied.left_out)
+        return applied
+
+    async def _discovered(self, snapshot: Snapshot, deadline: float) -> None:
+        """With discovery, wait (until ``deadline``) for the snapshot's replicas to be found, probed and scraped."""
+        if self.discovery.kind == "none":
+            return
+        loop = asyncio.get_running_loop()
+        names = [entry.name for entry in snapshot.replicas]
+        while loop.time() < deadline:
+            replicas = [self.fleet.replicas.get(name) for name in names]
+            if all(r is not None and r.health.up is not None and r.scraped is not None for r in replicas):
+                return
+            await asyncio.sleep(0.05)

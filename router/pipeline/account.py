@@ -1,5 +1,5 @@
-"""The account stage: what each request did, in the metrics, in its one JSON log line, and (for a streamed first
-token) as a sample for the cost model's calibration."""
+"""The account stage: what each request did, in the metrics, in its one JSON log line (every proxied request has
+exactly one), and (for a streamed first token) as a sample for the cost model's calibration."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import time
 
 from starlette.responses import Response
 
-from kvgate.router.http.errors import ApiError, as_json_error
-from kvgate.router.ops.logs import RequestLogger
-from kvgate.router.ops.metrics import GatewayMetrics, prefill_avoided_ms
+from kvgate.router.apis.base import Api, Usage
+from kvgate.router.core.errors import ApiError, as_json_error
+from kvgate.router.core.logs import RequestLogger
+from kvgate.router.core.metrics import GatewayMetrics
+from kvgate.router.fleet.attempts import Upstream
 from kvgate.router.pipeline.admit import Admission
-from kvgate.router.routing.router import Routed
-from kvgate.router.upstream.proxy import AttemptFailed, StreamResult, Upstream, Usage, usage_of_body
+from kvgate.router.pipeline.relay import StreamResult, kvgate_headers
+from kvgate.router.routing.records import Routed
+from kvgate.router.upstream.proxy import AttemptFailed
 
 CLIENT_CLOSED = "499"
 """Status recorded for requests whose client left before any answer (nginx's convention)."""
@@ -35,15 +38,9 @@ class Accounting:
             error=err.code, e2e_ms=_elapsed_ms(admission), attempts=0,
         )
 
-    def decided(self, routed: Routed) -> None:
-        decision = routed.decision
-        self.metrics.decisions.labels(decision.action, decision.reason).inc()
-        self.metrics.route_seconds.observe(routed.route_ms / 1000.0)
-        self.metrics.lookup_seconds.observe(routed.lookup_ms / 1000.0)
-
     def failed(self, failed: AttemptFailed, routed: Routed, admission: Admission, attempts: int) -> Response:
         """Every attempt failed before any byte reached the client: the last engine error as is, else 502/504."""
-        headers = {"x-request-id": admission.request_id, "x-kvgate-decision": routed.decision.reason}
+        headers = kvgate_headers(admission.request_id, routed.decision.reason)
         if failed.status is not None:
             status = failed.status
             body, media_type = as_json_error(status, failed.body, failed.headers.get("content-type"))
@@ -70,10 +67,13 @@ class Accounting:
         )
         return Response(status_code=int(CLIENT_CLOSED))
 
-    def answered(self, routed: Routed, admission: Admission, up: Upstream, result: StreamResult | None) -> None:
-        """An answer relayed in full (``result`` for a stream, None for an answer read whole)."""
+    def answered(
+        self, routed: Routed, admission: Admission, api: Api | None, up: Upstream, result: StreamResult | None
+    ) -> None:
+        """An answer relayed in full (``result`` for a stream, None for an answer read whole), in ``api``'s form
+        (None: a body kvgate does not read, such as embeddings')."""
         if result is None:
-            usage = usage_of_body(up.body) if up.status == 200 else None
+            usage = api.usage_of_body(up.body) if up.status == 200 and api is not None else None
             self.completed(routed, admission, up, up.first_byte_at, usage, "ok", stream=False)
         else:
             self.completed(routed, admission, up, result.finished_at, result.usage, result.end, stream=True)
@@ -96,9 +96,9 @@ class Accounting:
         m.requests.labels(up.replica, status, routed.decision.reason).inc()
         m.e2e.labels(hit).observe(e2e_ms / 1000.0)
         m.matched_tokens.observe(matched)
-        if end == "ok" and up.status == 200:
-            avoided_ms = prefill_avoided_ms(
-                routed.routing.cost_model, request.prompt_tokens, matched if cached is None else cached
+        if end == "ok" and up.status == 200 and routed.routing is not None:
+            avoided_ms = routed.routing.cost_model.prefill_avoided_ms(
+                request.prompt_tokens, matched if cached is None else cached
             )
             m.prefill_avoided.inc(avoided_ms / 1000.0)
         if end == "stream_error":
@@ -126,7 +126,7 @@ def calibrate(routed: Routed, replica: str, ttft_ms: float, usage: Usage | None)
     counts, or the router's when they are exact. Handoffs (transfers, disaggregated requests) are not prefill samples: their TTFT is a first leg plus a
     KV pull, and engines do not report pulled tokens as cached, so they would read as a whole prompt prefilled
     implausibly fast."""
-    calibrator = routed.routing.calibrator
+    calibrator = routed.routing.calibrator if routed.routing is not None else None
     if calibrator is None or routed.decision.action != "route":
         return
     if usage is not None and usage.cached_tokens is not None:

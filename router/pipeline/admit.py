@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.types import Scope
 
-from kvgate.router.http.bodies import JsonBounds, read_body
-from kvgate.router.http.config import LimitsConfig, ServerConfig
-from kvgate.router.http.errors import ApiError
-from kvgate.router.http.tenants import AuthError, TenantResolver
+from kvgate.router.core.config import LimitsConfig, ServerConfig
+from kvgate.router.core.errors import ApiError
+from kvgate.router.core.tenants import AuthError, TenantResolver
+from kvgate.router.pipeline.bodies import JsonBounds, read_body
+
 
 def new_request_id() -> str:
     """An id for a request that came without ``X-Request-Id``: 128 random bits, 32 hex characters like a UUID's.

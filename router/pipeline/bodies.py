@@ -13,9 +13,9 @@ from typing import Any, NamedTuple
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
-from kvgate.router.http.errors import ApiError
+from kvgate.router.core.errors import ApiError
 
-log = logging.getLogger("kvgate.bodies")
+log = logging.getLogger(__name__)
 
 _decode = msgspec.json.Decoder().decode
 

@@ -1,5 +1,9 @@
-"""The parse stage: the body decoded once (msgspec), its model one the fleet serves or the policy file declares, and
-its cache salt the tenant's own."""
+"""The parse stage: the body decoded once (msgspec), by its API; its model one a replica serves or the policy file
+declares, and one the caller may use; no field that steers the engine; and its cache salt the tenant's own.
+
+:class:`Parsed` is the one typed parse of a request body: every later stage, explain and the endpoint flows read it,
+and what they need of the API's own fields they ask its :class:`~kvgate.router.apis.base.Api`.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,11 @@ from typing import Any
 
 import msgspec
 
-from kvgate.router.http.bodies import client_salt, parse_body, refuse_engine_steering, required_model, wants_stream
-from kvgate.router.http.errors import ApiError
-from kvgate.router.http.tenants import TenantResolver
-from kvgate.router.routing.router import Router
+from kvgate.router.apis.base import Api
+from kvgate.router.core.errors import ApiError
+from kvgate.router.core.tenants import TenantResolver
+from kvgate.router.pipeline.bodies import client_salt, parse_body, refuse_engine_steering, required_model, wants_stream
+from kvgate.router.routing.catalog import ModelCatalog
 
 _encode = msgspec.json.Encoder().encode
 
@@ -26,24 +31,31 @@ class Parsed:
     model: str
     stream: bool
     cache_salt: str | None
+    api: Api | None
+    """The API the body speaks; None for a body forwarded as it is (embeddings)."""
+    max_tokens: int | None = None
+    """The request's output budget, when its API says one."""
 
 
-def parse(raw: bytes, router: Router, may_use: Callable[[str], bool] = lambda model: True) -> Parsed:
+def parse(
+    raw: bytes, api: Api | None, catalog: ModelCatalog, may_use: Callable[[str], bool] = lambda model: True
+) -> Parsed:
     """Not a JSON object, without a model, naming a model no replica serves or the caller may not use (``may_use``),
-    or setting a field that steers the engine (:data:`~kvgate.router.http.bodies.ENGINE_STEERING_FIELDS`) is an
+    or setting a field that steers the engine (:data:`~kvgate.router.pipeline.bodies.ENGINE_STEERING_FIELDS`) is an
     :class:`ApiError`."""
     body = parse_body(raw)
     refuse_engine_steering(body)
     model = required_model(body)
-    check_model(model, router, may_use)
-    return Parsed(raw, body, model, wants_stream(body), client_salt(body))
+    check_model(model, catalog, may_use)
+    max_tokens = api.max_tokens(body) if api is not None else None
+    return Parsed(raw, body, model, wants_stream(body), client_salt(body), api, max_tokens)
 
 
-def check_model(model: str, router: Router, may_use: Callable[[str], bool]) -> None:
+def check_model(model: str, catalog: ModelCatalog, may_use: Callable[[str], bool]) -> None:
     """A model the caller may not use gets the same 404 as one that does not exist: nothing says it does."""
-    if router.knows_model(model) and may_use(model):
+    if catalog.knows(model) and may_use(model):
         return
-    if not router.fleet.routable():
+    if not catalog.fleet.routable():
         raise ApiError(503, "no routable replica", code="no_replica")
     raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 

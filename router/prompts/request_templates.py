@@ -23,7 +23,7 @@ from typing import Any
 
 import jinja2
 
-log = logging.getLogger("kvgate.request_templates")
+log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 30.0
 """A fresh child imports jinja2 and the tokenization module before it takes work; that is not the template's time."""

@@ -1,1 +1,3 @@
-"""Request to decision, and the work decisions start: replication warm-ups and KV transfers."""
+"""What routing decides with and what its decisions start: the model catalog and each model's state (cost model,
+policy, calibration), replicas' views, predictions and sessions, and the upstream work a decision sets off
+(replication warm-ups, KV transfers, handoffs between replicas)."""

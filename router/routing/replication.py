@@ -1,8 +1,8 @@
 """Hot-prefix replication, the gateway's side: what was hot, which warm-ups to start, and running them.
 
-:class:`kvgate.policies.replication.HotPrefixTracker` (one per model, in the router's per-model state) decides: it
-keeps each prefix's decayed request rate and plans which prefix to warm where, within the budgets. This module feeds
-it and carries out its plans: every dispatched request's deepest held prefix is recorded (:meth:`Replication.record`),
+:class:`kvgate.policies.replication.HotPrefixTracker` (one per model, in :mod:`kvgate.router.routing.model_state`)
+decides: it keeps each prefix's decayed request rate and plans which prefix to warm where, within the budgets. This
+module feeds it and carries out its plans: every dispatched request's deepest held prefix is recorded (:meth:`Replication.record`),
 the prompts of nearly hot prefixes are kept to warm with, and every ``REPLICATION_INTERVAL_S`` the plan is taken and
 each warm-up run as a prefill-only request (``max_tokens: 1``) of the prefix's own token ids on the target, its KV
 pulled from a holder first when the plan says a transfer is cheaper (a failed first leg falls back to prefilling).
@@ -30,13 +30,17 @@ import msgspec
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.match import PrefixMatch
 from kvgate.policies.replication import Retired, Warmup
+from kvgate.router.apis.openai import COMPLETIONS
+from kvgate.router.core.metrics import GatewayMetrics
+from kvgate.router.fleet.attempts import Attempts, Load
 from kvgate.router.fleet.state import Fleet
-from kvgate.router.ops.metrics import GatewayMetrics
-from kvgate.router.routing.router import FleetDispatcher, ModelRouting, Routed, Router
+from kvgate.router.routing.model_state import ModelRouting, ModelStates
+from kvgate.router.routing.records import Routed
 from kvgate.router.routing.transfers import TransferRunner
-from kvgate.router.upstream.proxy import AttemptFailed, Forward, Proxy
+from kvgate.router.routing.views import ReplicaViews
+from kvgate.router.upstream.proxy import AttemptFailed, Forward
 
-log = logging.getLogger("kvgate.app")
+log = logging.getLogger(__name__)
 
 REPLICATION_INTERVAL_S = 0.5
 """How often hot prefixes are checked for a warm-up (and cooled ones retired)."""
@@ -69,26 +73,32 @@ class Replication:
 
     def __init__(
         self,
-        router: Router,
+        models: ModelStates,
+        views: ReplicaViews,
         fleet: Fleet,
         index: PrefixIndex,
-        proxy: Proxy,
+        attempts: Attempts,
         transfers: TransferRunner,
         metrics: GatewayMetrics,
         spawn: Callable[[Coroutine[Any, Any, None]], None],
     ) -> None:
-        self.router = router
+        self.models = models
+        self.views = views
         self.fleet = fleet
         self.index = index
-        self.proxy = proxy
+        self.attempts = attempts
         self.transfers = transfers
         self.metrics = metrics
         self.spawn = spawn
         self.on_started: Callable[[int, str], None] | None = None
         """Told of each warm-up this gateway starts (prefix key, target), for its peers (``peers.hints``)."""
-        self.gateways: Callable[[], int] = lambda: 1
-        """Gateways planning warm-ups for this fleet, this one included: they share the warm-up budget."""
         self._warm_prompts: OrderedDict[Hashable, WarmPrompt] = OrderedDict()
+
+    def gateways(self) -> int:
+        """Gateways planning warm-ups for this fleet, this one included (its peers whose work reports still count):
+        they share the warm-up budget."""
+        peer_work = self.fleet.peer_work
+        return 1 + (peer_work.peers() if peer_work is not None else 0)
 
     def record(self, routed: Routed) -> None:
         """Heat of the deepest prefix any replica holds (the chain key of its last block identifies it)."""
@@ -102,13 +112,14 @@ class Replication:
         key = keys[blocks - 1]
         tokens = blocks * block_size
         holders = {v.name for v in views if v.match.total >= tokens}
-        routing = routed.routing
+        routing, tokenized = routed.routing, routed.tokenized
+        assert routing is not None and tokenized is not None
         now = time.monotonic()
         routing.hot.record(key, tokens, holders, now)
         heat = routing.hot.heat_ms_per_s(key, routing.cost_model, now)
-        if heat >= WARM_PROMPT_HEAT * self.router.config.replication.min_saving_ms_per_s:
+        if heat >= WARM_PROMPT_HEAT * self.models.settings.replication.min_saving_ms_per_s:
             if key not in self._warm_prompts:
-                ids = array("I", routed.tokenized.token_ids[:tokens])
+                ids = array("I", tokenized.token_ids[:tokens])
                 self._warm_prompts[key] = WarmPrompt(routed.request.model, routed.cache_salt, ids)
             self._warm_prompts.move_to_end(key)
             if len(self._warm_prompts) > WARM_PROMPTS:
@@ -119,11 +130,10 @@ class Replication:
         now = time.monotonic()
         planned: list[PlannedWarmup] = []
         retired: list[Retired] = []
-        for routing in self.router.model_routings():
+        for routing in self.models.all():
             retired += routing.hot.retire(routing.cost_model, now)
             routing.margins = routing.hot.cache_margins(self.index.holds, routing.cost_model, now)
-            views = [self.router.with_capacity(self.fleet.view(name, PrefixMatch()), routing)
-                     for name in self.fleet.replicas]
+            views = [self.views.view(name, PrefixMatch(), routing) for name in self.fleet.replicas]
             for warmup in routing.hot.plan(views, routing.cost_model, now, self.gateways()):
                 prompt = self._warm_prompts.get(warmup.prefix_key)
                 if prompt is None:
@@ -135,13 +145,13 @@ class Replication:
     def peer_started(self, prefix_key: int, target: str) -> None:
         """A peer gateway started warming ``target`` with this prefix: plan no warm-up of it meanwhile."""
         now = time.monotonic()
-        for routing in self.router.model_routings():
+        for routing in self.models.all():
             routing.hot.peer_warmup(prefix_key, target, now)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Warm-ups started / failed / skipped and replicas retired, by reason, summed over models (for metrics)."""
         out: dict[str, dict[str, int]] = {}
-        for routing in self.router.model_routings():
+        for routing in self.models.all():
             for (event, reason), count in routing.hot.counts.items():
                 out.setdefault(event, {})
                 out[event][reason] = out[event].get(reason, 0) + count
@@ -177,17 +187,18 @@ class Replication:
         if prompt.cache_salt is not None:
             body["cache_salt"] = prompt.cache_salt
         headers = {"content-type": "application/json", "x-request-id": f"kvgate-warmup-{uuid.uuid4().hex}"}
-        dispatcher = FleetDispatcher(self.fleet, lambda name: warmup.prefix_tokens if name == warmup.target else 0)
+        load = Load({warmup.target: warmup.prefix_tokens})
         transferred = False
         if warmup.via == "transfer" and warmup.source is not None:
-            params = await self.transfers.first_leg("/v1/completions", body, headers, warmup.source, dispatcher)
+            params = await self.transfers.first_leg(COMPLETIONS, body, headers, warmup.source, load)
             if params is not None:
                 body["kv_transfer_params"] = params
                 transferred = True
         ok = False
         try:
-            up = await self.proxy.forward(Forward("/v1/completions", _encode(body), headers, False, [warmup.target], 1),
-                                          dispatcher)
+            up = await self.attempts.forward(
+                Forward(COMPLETIONS.path, _encode(body), headers, False, [warmup.target], 1), load
+            )
             up.settle()
             ok = up.status == 200
         except AttemptFailed as failed:

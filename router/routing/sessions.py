@@ -17,6 +17,9 @@ class SessionMemory:
         """Replaced on reload; a smaller one takes effect as each tenant's next session is remembered."""
         self._by_tenant: dict[str | None, OrderedDict[tuple[str | None, str], str]] = {}
 
+    def reconfigure(self, capacity_per_tenant: int) -> None:
+        self.capacity_per_tenant = capacity_per_tenant
+
     def last_replica(self, tenant: str | None, cache_salt: str | None, session_id: str | None) -> str | None:
         if not session_id:
             return None

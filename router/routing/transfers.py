@@ -20,12 +20,13 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvgate.policies.config import TransferConfig
 from kvgate.policies.cost_model import CostModel
-from kvgate.router.ops.metrics import GatewayMetrics, prefill_avoided_ms
-from kvgate.router.ops.reload import ConfigHolder
-from kvgate.router.routing.router import FleetDispatcher, Routed
-from kvgate.router.upstream.proxy import AttemptFailed, Dispatcher, Forward, Proxy
-
+from kvgate.router.apis.base import Api
+from kvgate.router.core.metrics import GatewayMetrics
+from kvgate.router.fleet.attempts import Attempts, Load
+from kvgate.router.routing.records import Routed
+from kvgate.router.upstream.proxy import AttemptFailed, Forward
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -41,26 +42,23 @@ NIXL_PREFILL_PARAMS: dict[str, Any] = {
 """The first leg of vLLM's NixlConnector handshake, as vLLM's own toy proxy sends it."""
 
 
-def first_leg_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill-only request of a transfer: same prompt, one token, not streamed, KV kept for the destination."""
-    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
-    leg.update(kv_transfer_params=dict(NIXL_PREFILL_PARAMS), stream=False, max_tokens=1)
-    if "max_completion_tokens" in body:
-        leg["max_completion_tokens"] = 1
-    return leg
+def first_leg_body(api: Api, body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill-only request of a transfer: same prompt, one token, not streamed (the API's own form of that),
+    KV kept for the destination."""
+    return {**api.prefill_only(body), "kv_transfer_params": dict(NIXL_PREFILL_PARAMS)}
 
 
 async def prefill_for_transfer(
-    proxy: Proxy, path: str, body: dict[str, Any], headers: dict[str, str], source: str, dispatcher: Dispatcher,
+    attempts: Attempts, api: Api, body: dict[str, Any], headers: dict[str, str], source: str, load: Load,
     timeout_s: float,
 ) -> dict[str, Any] | None:
     """First leg of vLLM's NixlConnector handshake: prefill the prompt on ``source`` (one token, not streamed,
     same X-Request-Id) so its KV stays held for the destination; the ``kv_transfer_params`` the destination needs,
     or None when the leg failed, timed out or answered without them."""
-    leg = Forward(path, _encode(first_leg_body(body)), headers, False, [source], 1)
+    leg = Forward(api.path, _encode(first_leg_body(api, body)), headers, False, [source], 1)
     try:
         async with asyncio.timeout(timeout_s):
-            up = await proxy.forward(leg, dispatcher)
+            up = await attempts.forward(leg, load)
     except (AttemptFailed, TimeoutError):
         return None
     up.settle()
@@ -74,7 +72,7 @@ async def prefill_for_transfer(
 
 
 Kind = Literal["transfer", "disaggregated"]
-"""What a handshake is for (:data:`kvgate.router.ops.metrics.TRANSFER_KINDS`)."""
+"""What a handshake is for (:data:`kvgate.router.core.metrics.TRANSFER_KINDS`)."""
 
 
 def kind_of(routed: Routed) -> Kind:
@@ -85,13 +83,16 @@ def kind_of(routed: Routed) -> Kind:
 class TransferRunner:
     """Runs first legs and accounts for what each handshake moved and saved, by kind."""
 
-    def __init__(self, proxy: Proxy, metrics: GatewayMetrics, holder: ConfigHolder) -> None:
-        self.proxy = proxy
+    def __init__(self, attempts: Attempts, metrics: GatewayMetrics, config: TransferConfig) -> None:
+        self.attempts = attempts
         self.metrics = metrics
-        self.holder = holder
+        self.config = config
+
+    def reconfigure(self, config: TransferConfig) -> None:
+        self.config = config
 
     async def first_leg(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], source: str, dispatcher: FleetDispatcher,
+        self, api: Api, body: dict[str, Any], headers: dict[str, str], source: str, load: Load,
         kind: Kind = "transfer",
     ) -> dict[str, Any] | None:
         """The prefill-only request on ``source``, counted: a handshake started, and the leg's duration (a failed
@@ -99,9 +100,8 @@ class TransferRunner:
         m = self.metrics
         m.transfers[kind, "started"].inc()
         began = time.monotonic()
-        params = await prefill_for_transfer(
-            self.proxy, path, body, headers, source, dispatcher, self.holder.current.transfer.first_leg_timeout_s
-        )
+        params = await prefill_for_transfer(self.attempts, api, body, headers, source, load,
+                                            self.config.first_leg_timeout_s)
         m.transfer_seconds[kind, "fallback" if params is None else "completed"].observe(time.monotonic() - began)
         if params is None:
             m.transfers[kind, "fallback"].inc()
@@ -110,7 +110,7 @@ class TransferRunner:
     def finished_for(self, routed: Routed, *, ok: bool) -> None:
         """:meth:`finished` for a routed request, from the index's matches at its decision."""
         decision = routed.decision
-        assert decision.source is not None
+        assert decision.source is not None and routed.routing is not None
         room = max(routed.request.prompt_tokens - 1, 0)  # the destination always computes the last token itself
         self.finished(
             routed.routing.cost_model, routed.request.prompt_tokens,
@@ -131,7 +131,6 @@ class TransferRunner:
             return
         m.transfers[kind, "completed"].inc()
         m.transfer_bytes[kind].inc((prompt_tokens - dest_held) * cost_model.kv_bytes_per_token)
-        saved_ms = prefill_avoided_ms(cost_model, prompt_tokens, source_held) - prefill_avoided_ms(
-            cost_model, prompt_tokens, dest_held
-        )
+        saved_ms = (cost_model.prefill_avoided_ms(prompt_tokens, source_held)
+                    - cost_model.prefill_avoided_ms(prompt_tokens, dest_held))
         m.transfer_prefill_avoided[kind].inc(max(0.0, saved_ms) / 1000.0)

@@ -1,11 +1,11 @@
 """The policy file in force, and hot reload of it (file change, SIGHUP, ``POST /admin/reload``).
 
-A reload is all or nothing: the new file is parsed, validated for types and for meaning (:func:`check_meaning`: a
-known policy, at least one replica (or discovery), tokenizers that load, the tenants' keys file and salt secret, kvgate's own tokens)
-and only then made current and handed to the subscribers (fleet diff, policy re-creation, tenant resolver). A file
-that fails leaves the old config in force; the rejection is logged and counted, and ``POST /admin/reload`` answers 400
-with the reason. Startup applies the same checks (exit code 2). Subscribers swap objects that new requests pick up, so
-requests already in flight keep what they started with.
+A reload is all or nothing: the new file is parsed, validated for types and for meaning
+(:func:`kvgate.router.settings.validate.check_meaning`) and only then made current and handed to the subscribers (the
+gateway's :meth:`~kvgate.router.gateway.Gateway.reconfigure`, which hands each component its sections). A file that
+fails leaves the old config in force; the rejection is logged and counted, and ``POST /admin/reload`` answers 400 with
+the reason. Startup applies the same checks (exit code 2). Components swap what new requests pick up, so requests
+already in flight keep what they started with.
 """
 
 from __future__ import annotations
@@ -18,37 +18,13 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from kvgate.policies.registry import POLICY_NAMES
-from kvgate.router.config import ConfigError, KvgateConfig, parse_config
-from kvgate.router.http.auth import Credentials, peer_token
-from kvgate.router.http.tenants import TenantResolver
-from kvgate.router.prompts.model_tokenizer import ModelTokenizer
+from kvgate.router.core.errors import ConfigError
+from kvgate.router.settings.schema import KvgateConfig, parse_config
+from kvgate.router.settings.validate import check_meaning
 
 log = logging.getLogger(__name__)
 
 ConfigCallback = Callable[[KvgateConfig], None]
-
-
-def check_meaning(config: KvgateConfig, previous: KvgateConfig | None = None) -> None:
-    """What the schema's types cannot say: raises :class:`ConfigError` naming the field. Tokenizers are loaded to
-    prove they load (only those whose model entry changed since ``previous``)."""
-    if config.policy.name not in POLICY_NAMES:
-        raise ConfigError(f"policy.name: unknown policy {config.policy.name!r}; expected one of {', '.join(POLICY_NAMES)}")
-    if not config.replicas and config.discovery.kind == "none":
-        raise ConfigError("replicas: at least one replica is required (or discovery.kind: dns or kubernetes)")
-    unchanged = set(previous.models) if previous is not None else set()
-    for i, model in enumerate(config.models):
-        if model.tokenizer is None or model in unchanged:
-            continue
-        try:
-            ModelTokenizer.from_path(model.tokenizer)
-        except Exception as err:  # tokenizers, json and jinja2 each raise their own types
-            raise ConfigError(f"models.{i}.tokenizer: cannot load {model.tokenizer!r}: {err}") from err
-    TenantResolver(config.tenants)  # a bad keys file or a missing salt secret rejects the whole config
-    Credentials.of(config.server)
-    hints = config.peers.hints
-    if (hints.bind or hints.connect or hints.port is not None) and peer_token(config.server) is None:
-        raise ConfigError("peers.hints: needs server.peer_token (or the admin token), which keys the hints' encryption")
 
 
 class ConfigHolder:

@@ -1,9 +1,9 @@
 """The policy file: one YAML document, validated into a typed config.
 
-The root of the schema: each section is defined next to the component that reads it (the HTTP surface's in
-:mod:`kvgate.router.http.config`, the upstream client's in :mod:`kvgate.router.upstream.config`, the fleet's in
-:mod:`kvgate.router.fleet.config`, the index's in :mod:`kvgate.cache_index.config`, the policies' and the cost
-model's in :mod:`kvgate.policies.config`) and assembled here. Every field has a default and a docstring;
+The root of the schema: each section is defined next to the component that reads it (those several floors of the
+gateway read in :mod:`kvgate.router.core.config`, the upstream client's in :mod:`kvgate.router.upstream.config`, the
+fleet's in :mod:`kvgate.router.fleet.config`, the peers' in :mod:`kvgate.router.peers.config`, the policies' and the
+cost model's in :mod:`kvgate.policies.config`) and assembled here. Every field has a default and a docstring;
 docs/configuration.md lists them. A bad file is rejected with the dotted path of the offending field (pydantic's
 ``loc``) and the problem. Unknown keys are errors, so a typo never silently does nothing.
 """
@@ -15,12 +15,13 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from kvgate.cache_index.config import IndexConfig, Section
 from kvgate.policies.config import (
-    CalibrationConfig, DisaggregationConfig, ModelConfig, PolicyConfig, ReplicationConfig, TransferConfig,
+    CalibrationConfig, DisaggregationConfig, PolicyConfig, ReplicationConfig, TransferConfig,
 )
+from kvgate.policies.section import Section
+from kvgate.router.core.config import IndexConfig, LimitsConfig, ModelConfig, ServerConfig, TenantsConfig
+from kvgate.router.core.errors import ConfigError
 from kvgate.router.fleet.config import DiscoveryConfig, ReplicaConfig
-from kvgate.router.http.config import LimitsConfig, ServerConfig, TenantsConfig
 from kvgate.router.peers.config import PeersConfig
 from kvgate.router.upstream.config import BreakerConfig, HealthConfig, ProxyConfig, ScrapeConfig
 
@@ -68,10 +69,6 @@ class KvgateConfig(Section):
         """The model whose cost constants ``name`` is priced with: its own entry, else the first model's (a model
         only its replicas declare), else the defaults."""
         return (self.model(name) if name is not None else None) or next(iter(self.models), ModelConfig(name=""))
-
-
-class ConfigError(Exception):
-    """A policy file that cannot be used; the message names the field and the problem."""
 
 
 SECRET_KEYED_FIELDS = frozenset({"api_keys"})

@@ -1,2 +1,3 @@
-"""The engines as the gateway calls them: the proxy, and what keeps it resilient (circuit breakers, first-token
-deadlines, health checks, metric scraping)."""
+"""The engines as the gateway calls them: one attempt of a request (the proxy), reading a stream to its first
+output, the engine's tokenizer, and what keeps the fleet honest about them (circuit breakers, health checks, metric
+scraping)."""

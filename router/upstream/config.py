@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvgate.cache_index.config import Section
+from kvgate.policies.section import Section
 
 
 class HealthConfig(Section):

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import yaml
 
-from kvgate.router.config import ConfigError
-from kvgate.router.ops.reload import ConfigHolder
+from kvgate.router.core.errors import ConfigError
+from kvgate.router.settings.holder import ConfigHolder
 from tests.abuse.support import assert_openai_error, gateway_config
 from tests.support import KVGATE, REPO, Gateway, Sim, start_kvgate, start_sim
 
@@ -52,7 +52,7 @@ def test_an_unchanged_tokenizer_is_not_reloaded_to_be_checked(tmp_path: Path, mo
     path.write_text(GOOD + f"models: [{{name: m, tokenizer: '{tokenizer}'}}]\n")
     holder = ConfigHolder(path)
     loads: list[str] = []
-    monkeypatch.setattr("kvgate.router.ops.reload.ModelTokenizer.from_path", lambda p: loads.append(p))
+    monkeypatch.setattr("kvgate.router.settings.validate.ModelTokenizer.from_path", lambda p: loads.append(p))
     path.write_text(GOOD + f"models: [{{name: m, tokenizer: '{tokenizer}'}}]\nhealth: {{interval_s: 3}}\n")
     assert holder.reload() is True
     assert loads == []

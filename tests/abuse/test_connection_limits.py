@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from kvgate.loadgen.bench import free_port_block
-from tests.abuse.support import gateway_config, without_blocking_the_loop
 from kvgate.loadgen.procs import ChildProcess
+from tests.abuse.support import gateway_config, without_blocking_the_loop
 from tests.support import KVGATE, Gateway, Sim, start_kvgate, start_sim, wait_until
 
 pytestmark = pytest.mark.integration

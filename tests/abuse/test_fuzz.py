@@ -10,11 +10,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgate.cache_index.events import MalformedBatch, decode_batch, decode_json_batch
-from kvgate.router.http.bodies import client_salt, parse_body, refuse_engine_steering, required_model, wants_stream
-from kvgate.router.http.config import LimitsConfig
-from kvgate.router.http.errors import ApiError
-from kvgate.router.prompts.tokenizer import PromptError, check_limits, parse_chat, parse_completion
+from kvgate.cache_index.events import DecodedBatch, MalformedBatch, decode_batch, decode_batch_object
+from kvgate.router.apis.openai import parse_chat, parse_completion
+from kvgate.router.core.config import LimitsConfig
+from kvgate.router.core.errors import ApiError
+from kvgate.router.pipeline.bodies import client_salt, parse_body, refuse_engine_steering, required_model, wants_stream
+from kvgate.router.prompts.prompt import PromptError, check_limits
+
+
+def decode_json_batch(body: bytes) -> DecodedBatch:
+    """A batch sent as JSON text, as the HTTP ingest decodes one (``kvgate.cache_index.http_ingest``)."""
+    try:
+        raw = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise MalformedBatch(f"not JSON: {exc}") from exc
+    return decode_batch_object(raw)
+
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,5 +1,5 @@
 """Property-based fuzzing (Hypothesis) of what arrives on a connection: kvgate's HTTP protocol
-(:class:`~kvgate.router.http.protocol.BoundedHttpProtocol`) fed request heads of every size and count, pipelined
+(:class:`~kvgate.router.app.protocol.BoundedHttpProtocol`) fed request heads of every size and count, pipelined
 requests, garbage, and all of it cut at random points (a trickle is the extreme: a byte at a time). Whatever
 arrives, the protocol never raises, never hands the parser more of a request's head than ``max_header_bytes``,
 answers what is too large with a JSON 431 and what is malformed with a JSON 400, and answers every well-formed
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
-from kvgate.router.http.protocol import BoundedHttpProtocol
+from kvgate.router.app.protocol import BoundedHttpProtocol
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_HEADER_BYTES = 2048

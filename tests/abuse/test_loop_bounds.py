@@ -14,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 
-from kvgate.cache_index.vllm_wire import BlockStored, KVEventBatch
+from kvgate.loadgen.sim.wire import BlockStored, KVEventBatch
 from tests.abuse.support import assert_openai_error, gateway_config, without_blocking_the_loop
 from tests.support import Gateway, Sim, start_kvgate, start_sim
 

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from kvgate.loadgen.engines import (
-    MODEL_NAME, VllmReplica, engines_python, free_ports, make_replicas, policy_file, start_all, stop_all, tiny_model,
+    MODEL_NAME, VllmReplica, engines_python, free_ports, make_replicas, policy_file, start_all, stop_all,
+    tiny_model,
 )
 from tests.support import Gateway, start_kvgate
 

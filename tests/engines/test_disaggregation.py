@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from kvgate.loadgen.engines import MODEL_NAME, VllmReplica, free_ports, policy_file, start_all, stop_all
+from kvgate.router.apis.openai import CHAT
 from kvgate.router.routing.transfers import first_leg_body
 from tests.engines.conftest import KVGATE_READY_S, SMALL_CACHE_BLOCKS, chat, unique_text, wait_ready
 from tests.support import start_kvgate
@@ -72,7 +73,7 @@ def connect(prefill: VllmReplica, decode: VllmReplica) -> None:
     transfers between connected replicas."""
     for attempt in range(1, HANDSHAKE_ATTEMPTS + 1):
         body = {"model": MODEL_NAME, "messages": chat(unique_text(100)), "max_tokens": 1}
-        first = httpx.post(prefill.url + "/v1/chat/completions", json=first_leg_body(body), timeout=120.0)
+        first = httpx.post(prefill.url + "/v1/chat/completions", json=first_leg_body(CHAT, body), timeout=120.0)
         assert first.status_code == 200, first.text
         params = first.json()["kv_transfer_params"]
         second = httpx.post(decode.url + "/v1/chat/completions", json={**body, "kv_transfer_params": params},
@@ -118,7 +119,7 @@ def test_the_engines_run_kvgates_handshake(pd_pair: list[VllmReplica]) -> None:
     prefill, decode = pd_pair
     body = {"model": MODEL_NAME, "messages": chat(unique_text(1000)), "max_tokens": 8}
     before = engine_samples(decode)
-    first = httpx.post(prefill.url + "/v1/chat/completions", json=first_leg_body(body), timeout=120.0)
+    first = httpx.post(prefill.url + "/v1/chat/completions", json=first_leg_body(CHAT, body), timeout=120.0)
     assert first.status_code == 200, first.text
     params = first.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False

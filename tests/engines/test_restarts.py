@@ -11,8 +11,8 @@ import httpx
 
 from kvgate.loadgen.engines import MODEL_NAME, VllmReplica
 from tests.engines.conftest import (
-    chat, credited, explain, reset_prefix_cache, restart, rows, send_direct, settled_explain, start_gateway, tokenize,
-    unique_text, wait_for,
+    chat, credited, explain, reset_prefix_cache, restart, rows, send_direct, settled_explain, start_gateway,
+    tokenize, unique_text, wait_for,
 )
 from tests.engines.engine_state import replay_state
 from tests.engines.test_cache_truth import send_checked

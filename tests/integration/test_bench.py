@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.router.config import load_config
+from kvgate.router.settings.schema import load_config
 from tests.support import REPO
 
 pytestmark = pytest.mark.integration

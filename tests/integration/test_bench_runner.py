@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 
 from kvgate.loadgen.runner import RunConfig, run_workload
-from kvgate.loadgen.workloads import WorkloadOptions, build_workload
+from kvgate.loadgen.workloads import build_workload
+from kvgate.loadgen.workloads.request import WorkloadOptions
 
 pytestmark = pytest.mark.integration
 SENT = web.AppKey("sent", list)

@@ -15,16 +15,14 @@ import aiohttp
 import pytest
 import yaml
 
-from kvgate.router.config import parse_config
 from kvgate.router.fleet.discovery import Discovery
 from kvgate.router.fleet.discovery.dns import DnsSource, ResolutionFailed
-from kvgate.router.fleet.state import Fleet
 from kvgate.router.peers.warm_start import peer_urls
+from kvgate.router.settings.schema import parse_config
 from tests import support
+from tests.fleets import fleet_of
 from tests.loopback_dns import LoopbackDns
-from tests.support import (
-    Gateway, Sim, admin_replicas, routable_replicas, start_kvgate, start_sim, wait_until_async,
-)
+from tests.support import Gateway, Sim, admin_replicas, routable_replicas, start_kvgate, start_sim, wait_until_async
 from tests.traffic import Traffic
 
 pytestmark = pytest.mark.integration
@@ -171,14 +169,16 @@ async def test_a_reload_restarts_discovery_and_turning_it_off_drains_what_it_fou
     text = f"discovery: {{kind: dns, interval_s: 0.1, drain_timeout_s: 0, dns: {{name: NAME, nameservers: ['{dns.address}']}}}}"
     config = parse_config(text.replace("NAME", ZONE))
     async with aiohttp.ClientSession() as session:
-        fleet = Fleet(config, session)
-        discovery = Discovery(config, fleet)
+        fleet = fleet_of(config, session)
+        discovery = Discovery(config.discovery, config.replicas, fleet)
         await discovery.start()
         try:
             await wait_until_async(lambda: set(fleet.replicas) == {"127.0.0.2:8000"})
-            discovery.apply_config(parse_config(text.replace("NAME", "other.test")))
+            other = parse_config(text.replace("NAME", "other.test"))
+            discovery.reconfigure(other.discovery, other.replicas)
             await wait_until_async(lambda: set(fleet.replicas) == {"127.0.0.3:8000"})
-            discovery.apply_config(parse_config("discovery: {kind: none}"))
+            none = parse_config("discovery: {kind: none}")
+            discovery.reconfigure(none.discovery, none.replicas)
             await wait_until_async(lambda: not fleet.replicas)
         finally:
             await discovery.stop()

@@ -15,16 +15,13 @@ import msgspec
 import openai
 import pytest
 import yaml
-
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.cache_index.ingest import DROP_REASONS
-from kvgate.cache_index.vllm_wire import BlockStored, KVEventBatch
 from kvgate.loadgen.procs import ChildProcess
-from tests.support import (
-    KVGATE, REPO, Gateway, Sim, free_port_block, start_kvgate, start_sim, wait_until,
-)
+from kvgate.loadgen.sim.wire import BlockStored, KVEventBatch
+from tests.support import KVGATE, REPO, Gateway, Sim, free_port_block, start_kvgate, start_sim, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -127,6 +124,34 @@ def test_each_request_writes_one_json_log_line(client: openai.OpenAI, gw: Gatewa
         usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     )
     assert line["ttft_ms"] > 0 and line["e2e_ms"] >= line["ttft_ms"] and line["attempts"] == 1
+
+
+def test_every_proxied_endpoint_writes_exactly_one_request_log_line(gw: Gateway) -> None:
+    """Answered, relayed engine errors and refusals alike, on every proxied path: one line each, no more."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "one line"}], "max_tokens": 2}
+    sent = {
+        "log-chat": ("/v1/chat/completions", json.dumps(chat)),
+        "log-chat-stream": ("/v1/chat/completions", json.dumps({**chat, "stream": True})),
+        "log-completion": ("/v1/completions", json.dumps({"model": MODEL, "prompt": "one line", "max_tokens": 2})),
+        "log-embedding": ("/v1/embeddings", json.dumps({"model": MODEL, "input": "one line"})),
+        "log-embedding-unknown-model": ("/v1/embeddings", json.dumps({"model": "nope", "input": "one line"})),
+        "log-chat-bad-json": ("/v1/chat/completions", "{not json"),
+        "log-completion-steering": ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "kv_transfer_params": {}})),
+    }
+    statuses = {}
+    with httpx.Client(base_url=gw.url, timeout=30) as http:
+        for request_id, (path, body) in sent.items():
+            answer = http.post(path, content=body, headers={"content-type": "application/json",
+                                                            "x-request-id": request_id})
+            statuses[request_id] = str(answer.status_code)
+        # Lines are written in order: once a later request's line is out, every earlier one is too.
+        http.post("/v1/completions", json={"model": MODEL, "prompt": "marker", "max_tokens": 1},
+                  headers={"x-request-id": "log-marker"})
+    wait_until(lambda: request_log_lines(gw, "log-marker"), what="the marker's request log line", timeout=5.0)
+    assert statuses["log-chat"] == statuses["log-completion"] == "200"
+    for request_id in sent:
+        lines = request_log_lines(gw, request_id)
+        assert len(lines) == 1, (request_id, lines)
 
 
 def test_requests_without_an_id_get_distinct_ones(client: openai.OpenAI) -> None:

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from kvgate.cache_index.match import reusable_blocks
-from kvgate.router.http.config import TenantsConfig
-from kvgate.router.http.tenants import TenantResolver
+from kvgate.router.core.config import TenantsConfig
+from kvgate.router.core.tenants import TenantResolver
 from tests.integration.test_gateway import MODEL, gateway_config, metric_value, sim_fault
 from tests.support import Gateway, Sim, start_kvgate, start_sim, wait_until
 

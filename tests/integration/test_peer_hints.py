@@ -372,7 +372,7 @@ async def test_a_dispatch_reports_the_work_at_once(monkeypatch: pytest.MonkeyPat
     try:
         deadline = time.monotonic() + 10
         work["sim-0"] = DispatchedWork(4096, 1, 2.5)
-        while receiver.peer_work("sim-0") != (4096, 1, 2.5):  # the first reports may go out before the SUB joined
+        while receiver.work.work("sim-0") != (4096, 1, 2.5):  # the first reports may go out before the SUB joined
             assert time.monotonic() < deadline, "no work report without the tick"
             sender.publish("sim-0", [1, 2, 3])
             await asyncio.sleep(0.05)

@@ -22,7 +22,7 @@ import openai
 import pytest
 import yaml
 
-from kvgate.cache_index.vllm_wire import BlockStored, KVEventBatch
+from kvgate.loadgen.sim.wire import BlockStored, KVEventBatch
 from kvgate.loadgen.workloads.vocabulary import vocabulary_for
 from tests.support import REPO, Gateway, Sim, start_kvgate, start_sim, wait_until
 

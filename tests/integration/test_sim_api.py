@@ -13,9 +13,10 @@ import httpx
 import openai
 import pytest
 
-from kvgate.router.config import load_config
-from kvgate.router.http.config import LimitsConfig
+from kvgate.router.core.config import LimitsConfig
+from kvgate.router.settings.schema import load_config
 from tests.support import Sim, start_sim, wait_until_async
+from tests.tokenizing import tokenize_body
 
 pytestmark = pytest.mark.integration
 
@@ -336,13 +337,13 @@ async def test_chat_options_tokenize_as_kvgate_does(sim: Sim, body: dict[str, An
     # The sim stands in for vLLM, so a chat prompt must become the same ids there as in kvgate's own tokenizer,
     # whatever template options the request carries: otherwise routing would look up blocks the engine never stores.
     from kvgate.loadgen.assets import TOKENIZER_DIR
-    from kvgate.policies.config import ModelConfig
+    from kvgate.router.core.config import ModelConfig
     from kvgate.router.prompts.tokenizer import PromptTokenizer
 
     prompts = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))],
                               limits=LimitsConfig(trust_request_chat_template=True))
     try:
-        expected = (await prompts.tokenize(MODEL, "chat", body)).token_ids.tolist()
+        expected = (await tokenize_body(prompts, MODEL, "chat", body)).token_ids.tolist()
     finally:
         prompts.close()
     async with httpx.AsyncClient(timeout=5) as http:

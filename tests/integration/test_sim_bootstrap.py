@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from kvgate.loadgen.bench import free_port_block, sglang_pd_command
-from kvgate.loadgen.sim.bootstrap import ROOM_MAX
 from kvgate.loadgen.procs import ChildProcess
+from kvgate.loadgen.sim.bootstrap import ROOM_MAX
 from tests.support import Sim, start_sim, wait_until
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import zmq
 
-from kvgate.loadgen.sim.wire import BlockRemoved, BlockStored, KVEventBatch
 from kvgate.loadgen.sim.block_hash import block_chain
+from kvgate.loadgen.sim.wire import BlockRemoved, BlockStored, KVEventBatch
 from tests.support import PROBE_TOKENS, Sim, start_sim
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.ingest import EventIngestor
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.subscriber import SubscriptionManager
-from kvgate.cache_index.vllm_wire import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch, encode_seq
+from kvgate.loadgen.sim.wire import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch, encode_seq
 from tests.support import free_port_block, wait_until_async
 
 pytestmark = pytest.mark.integration

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.router.config import ConfigError
-from kvgate.router.http.auth import ADMIN_TOKEN_ENV, EVENTS_TOKEN_ENV, METRICS_TOKEN_ENV, Credentials, bearer_token
-from kvgate.router.http.config import ServerConfig
-from kvgate.router.http.errors import ApiError
+from kvgate.router.core.auth import ADMIN_TOKEN_ENV, EVENTS_TOKEN_ENV, METRICS_TOKEN_ENV, Credentials, bearer_token
+from kvgate.router.core.config import ServerConfig
+from kvgate.router.core.errors import ApiError, ConfigError
 
 
 def status(check: object, header: str | None) -> int:

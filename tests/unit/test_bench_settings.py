@@ -5,7 +5,7 @@ import yaml
 
 from kvgate.loadgen.bench import HINTS_TOKEN, add_arguments, describe_sim_speed, hint_configs, run_settings, run_spec
 from kvgate.loadgen.sim.params import SimParams
-from kvgate.router.config import KvgateConfig
+from kvgate.router.settings.schema import KvgateConfig
 
 
 def test_baselines_run_without_replication_unless_told_otherwise() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.cache_index.match import reusable_blocks
-from kvgate.policies.config import ModelConfig
+from kvgate.router.core.config import ModelConfig
 from kvgate.router.fleet.block_sizes import BlockSizes
 
 

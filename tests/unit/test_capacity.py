@@ -7,8 +7,8 @@ import random
 import pytest
 
 from kvgate.cache_index.match import PrefixMatch
-from kvgate.policies.base import ReplicaView, RouteRequest
-from kvgate.policies.capacity import CacheMargin, HeldPrefix, cache_margin, eviction_ms, free_tokens
+from kvgate.policies.base import CacheMargin, ReplicaView, RouteRequest
+from kvgate.policies.capacity import HeldPrefix, cache_margin, eviction_ms, free_tokens
 from kvgate.policies.config import CostPolicyConfig, PrefillCost, ReplicationConfig, TransferConfig
 from kvgate.policies.cost import CostPolicy
 from kvgate.policies.cost_model import CostModel

@@ -17,8 +17,9 @@ import pytest
 import transformers
 
 from kvgate.loadgen.sim.tokenizer import SimTokenizer
-from kvgate.policies.config import ModelConfig
+from kvgate.router.core.config import ModelConfig
 from kvgate.router.prompts.tokenizer import PromptTokenizer
+from tests.tokenizing import tokenize_body
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 MODELS = ["llama3", "qwen2"]
@@ -110,7 +111,7 @@ async def test_kvgate_prompt_ids_equal_transformers(
     model: tuple[str, Path, Any], kvgate_prompts: PromptTokenizer, name: str
 ) -> None:
     case = CASES[name]
-    got = await kvgate_prompts.tokenize("m", "chat", body(case))
+    got = await tokenize_body(kvgate_prompts, "m", "chat", body(case))
     assert not got.approximate
     assert got.token_ids.tolist() == expected_ids(model[2], case)
 

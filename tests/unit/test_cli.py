@@ -32,7 +32,7 @@ def test_the_gateway_runs_without_the_extras() -> None:
 
 
 def test_help_lists_every_command_and_loads_none() -> None:
-    done = kvgate_without(["kvgate.loadgen", "kvgate.router.ops.server", "kvgate.router.ops.demo"], "--help")
+    done = kvgate_without(["kvgate.loadgen", "kvgate.router.app.server", "kvgate.router.app.demo"], "--help")
     assert done.returncode == 0, done.stderr
     for command in ("serve", "demo", "sim", "loadgen", "bench"):
         assert command in done.stdout

@@ -8,7 +8,8 @@ from kvgate.cache_index.match import PrefixMatch
 from kvgate.policies.base import ReplicaView, RouteRequest
 from kvgate.policies.config import PrefillCost, TransferConfig
 from kvgate.policies.cost_model import GIB, CostModel
-from kvgate.router.config import KvgateConfig, parse_config
+from kvgate.router.core.config import ModelConfig
+from kvgate.router.settings.schema import KvgateConfig, parse_config
 
 DEFAULT = PrefillCost()  # 20 ms + 0.035 ms/token
 NIXL = TransferConfig(connector="nixl")  # 12 ms setup, 22 GiB/s, min 1024 tokens
@@ -36,16 +37,21 @@ def test_prefill_formula() -> None:
     assert m.prefill_ms(1000, context=3000) == pytest.approx(20 + 35 + 2.0 * (4000**2 - 3000**2) / 1e6)
 
 
+def priced(model: ModelConfig) -> tuple[PrefillCost, int]:
+    """A model entry's cost constants, as ``CostModel.from_config`` takes them."""
+    return model.prefill, model.kv_bytes_per_token
+
+
 def test_from_config_takes_the_models_entry() -> None:
     config = parse_config(
         "models: [{name: a}, {name: b, prefill: {fixed_ms: 5, per_token_ms: 0.1}, kv_bytes_per_token: 1000}]\n"
         "transfer: {connector: nixl}\n"
     )
-    b = CostModel.from_config(config.model_or_first("b"), config.policy, config.transfer)
+    b = CostModel.from_config(*priced(config.model_or_first("b")), config.policy, config.transfer)
     assert (b.prefill.fixed_ms, b.kv_bytes_per_token, b.transfer_enabled) == (5, 1000, True)
-    assert CostModel.from_config(config.model_or_first("unknown"), config.policy, config.transfer).prefill == PrefillCost()
+    assert CostModel.from_config(*priced(config.model_or_first("unknown")), config.policy, config.transfer).prefill == PrefillCost()
     empty = KvgateConfig()
-    assert CostModel.from_config(empty.model_or_first(None), empty.policy, empty.transfer).transfer_enabled is False
+    assert CostModel.from_config(*priced(empty.model_or_first(None)), empty.policy, empty.transfer).transfer_enabled is False
 
 
 def test_queue_delay_counts_own_prefills_foreign_waiting_and_decodes() -> None:

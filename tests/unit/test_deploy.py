@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvgate.router.config import parse_config
+from kvgate.router.settings.schema import parse_config
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes.yaml"
 VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]

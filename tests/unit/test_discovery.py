@@ -10,12 +10,13 @@ import aiohttp
 import msgspec
 import pytest
 
-from kvgate.router.config import KvgateConfig, parse_config
 from kvgate.router.fleet.config import DiscoveryConfig, ReplicaConfig
 from kvgate.router.fleet.discovery.kubernetes import ApiError, Gone, KubernetesSource, WatchEvent, pod_target
 from kvgate.router.fleet.discovery.sync import FleetSync
 from kvgate.router.fleet.discovery.targets import Target
 from kvgate.router.fleet.state import Fleet
+from kvgate.router.settings.schema import KvgateConfig, parse_config
+from tests.fleets import fleet_of
 from tests.kube_api import POD, make_pod, set_ready
 
 
@@ -34,7 +35,7 @@ def target(name: str, port: int = 9000, ready: bool = True, instance: str = "") 
 @pytest.fixture
 async def fleet() -> AsyncIterator[Fleet]:
     async with aiohttp.ClientSession() as session:
-        yield Fleet(parse_config("replicas: [{name: static, url: 'http://127.0.0.1:9'}]"), session)
+        yield fleet_of(parse_config("replicas: [{name: static, url: 'http://127.0.0.1:9'}]"), session)
 
 
 def state(fleet: Fleet) -> dict[str, bool]:

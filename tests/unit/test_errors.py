@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from kvgate.router.http.errors import ApiError, install_error_handlers
+from kvgate.router.core.errors import ApiError, install_error_handlers
 
 
 class Item(BaseModel):

@@ -1,10 +1,12 @@
-"""The proxy's first token is the first SSE event that is not a role-only chat chunk."""
+"""An OpenAI stream's first output is its first SSE event that is not a role-only chat chunk, and the proxy reads up
+to it."""
 
 from __future__ import annotations
 
 import asyncio
 
-from kvgate.router.upstream.first_token import MAX_HELD_BYTES, holds_output, read_to_first_token
+from kvgate.router.apis.openai import MAX_HELD_BYTES, holds_output
+from kvgate.router.upstream.first_token import read_to_first_output
 
 ROLE = (b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
         b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n')
@@ -41,13 +43,13 @@ class _Reader:
         return self.parts.pop(0) if self.parts else b""
 
 
-def test_read_to_first_token_reads_past_the_role_chunk() -> None:
+def test_read_to_first_output_reads_past_the_role_chunk() -> None:
     async def go() -> list[bytes]:
         return [
-            await read_to_first_token(_Reader([ROLE, TOKEN[:30], TOKEN[30:], TOKEN])),
-            await read_to_first_token(_Reader([TOKEN, TOKEN])),
-            await read_to_first_token(_Reader([ROLE])),
-            await read_to_first_token(_Reader([])),
+            await read_to_first_output(_Reader([ROLE, TOKEN[:30], TOKEN[30:], TOKEN]), holds_output),
+            await read_to_first_output(_Reader([TOKEN, TOKEN]), holds_output),
+            await read_to_first_output(_Reader([ROLE]), holds_output),
+            await read_to_first_output(_Reader([]), holds_output),
         ]
 
     past_role, plain, role_then_end, empty = asyncio.run(asyncio.wait_for(go(), 5))

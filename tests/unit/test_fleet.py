@@ -11,11 +11,15 @@ import pytest
 from aiohttp import web
 
 from kvgate.cache_index.match import PrefixMatch
-from kvgate.router.config import KvgateConfig, parse_config
 from kvgate.router.fleet.config import ReplicaConfig
-from kvgate.router.fleet.state import NO_WORK, DispatchedWork, Fleet, FleetListener, Replica
+from kvgate.router.fleet.peer_work import PeerWork
+from kvgate.router.fleet.replica import Replica
+from kvgate.router.fleet.state import FleetListener
+from kvgate.router.fleet.tickets import DispatchedWork
+from kvgate.router.settings.schema import KvgateConfig, parse_config
 from kvgate.router.upstream.health import HealthState
 from kvgate.router.upstream.scrape import ScrapedLoad
+from tests.fleets import fleet_of, reconfigure
 from tests.support import wait_until_async
 
 VLLM_METRICS = """\
@@ -68,7 +72,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def test_ticket_accounting_is_exact_and_idempotent(session: aiohttp.ClientSession) -> None:
-    fleet = Fleet(config("a"), session)
+    fleet = fleet_of(config("a"), session)
     r = fleet.replicas["a"]
     t1 = fleet.dispatch("a", 100)
     t2 = fleet.dispatch("a", 50)
@@ -89,7 +93,7 @@ async def test_ticket_accounting_is_exact_and_idempotent(session: aiohttp.Client
 
 
 async def test_failed_tickets_open_the_breaker(session: aiohttp.ClientSession) -> None:
-    fleet = Fleet(config("a", extra="breaker: {failures_to_open: 2, open_s: 5}\n"), session)
+    fleet = fleet_of(config("a", extra="breaker: {failures_to_open: 2, open_s: 5}\n"), session)
     r = fleet.replicas["a"]
     r.healthy = True
     for _ in range(2):
@@ -100,8 +104,8 @@ async def test_failed_tickets_open_the_breaker(session: aiohttp.ClientSession) -
 
 
 async def test_at_most_the_ejectable_fraction_of_the_fleet_is_ejected(session: aiohttp.ClientSession) -> None:
-    fleet = Fleet(config("a", "b", "c", "d", extra="breaker: {failures_to_open: 1, max_ejected_fraction: 0.5}\n"),
-                  session)
+    fleet = fleet_of(config("a", "b", "c", "d", extra="breaker: {failures_to_open: 1, max_ejected_fraction: 0.5}\n"),
+                     session)
     for name in fleet.replicas:
         fleet.replicas[name].healthy = True
         fleet.dispatch(name, 10).finish(ok=False)
@@ -110,7 +114,7 @@ async def test_at_most_the_ejectable_fraction_of_the_fleet_is_ejected(session: a
 
 
 async def test_an_unblamed_failure_counts_once_blamed(session: aiohttp.ClientSession) -> None:
-    fleet = Fleet(config("a", extra="breaker: {failures_to_open: 2}\n"), session)
+    fleet = fleet_of(config("a", extra="breaker: {failures_to_open: 2}\n"), session)
     r = fleet.replicas["a"]
     tickets = [fleet.dispatch("a", 10) for _ in range(3)]
     for ticket in tickets:
@@ -123,7 +127,7 @@ async def test_an_unblamed_failure_counts_once_blamed(session: aiohttp.ClientSes
 
 async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter(session: aiohttp.ClientSession) -> None:
     clock = FakeClock()
-    fleet = Fleet(config("a"), session, clock=clock)
+    fleet = fleet_of(config("a"), session, clock=clock)
     r = fleet.replicas["a"]
     r.healthy = True
     for _ in range(100):  # this gateway sends 1 request/s; the engine finishes 4/s (three other callers)
@@ -133,7 +137,7 @@ async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter
     assert fleet.view("a", PrefixMatch()).arrival_rate_per_s == pytest.approx(4.0, rel=0.1)
     r.record_scrape(ScrapedLoad(at=clock.now, finished=2.0))  # counter went down: the engine restarted
     assert r.arrival_rate_per_s(clock.now) == pytest.approx(4.0 * 0.5 ** (1 / 10), rel=0.1)  # nothing added
-    quiet = Fleet(config("b"), session, clock=clock)
+    quiet = fleet_of(config("b"), session, clock=clock)
     for _ in range(120):  # no scrape counter (an engine without it): the gateway's own rate
         quiet.dispatch("b", 10).finish(ok=True)
         clock.now += 0.5
@@ -144,7 +148,7 @@ async def test_peers_work_adds_to_the_queue_and_the_arrival_rate(session: aiohtt
     """Peer gateways' reports add to this gateway's own load: the engine's finish rate trails the arrivals while a
     queue builds, and an arrival rate too low prices a long prefill on a busy replica as cheap for its neighbours."""
     clock = FakeClock()
-    fleet = Fleet(config("a", "b"), session, clock=clock)
+    fleet = fleet_of(config("a", "b"), session, clock=clock)
     for _ in range(100):  # this gateway sends 1 request/s
         fleet.dispatch("a", 10).finish(ok=True)
         clock.now += 1.0
@@ -152,7 +156,8 @@ async def test_peers_work_adds_to_the_queue_and_the_arrival_rate(session: aiohtt
     own = fleet.dispatched_work()
     assert list(own) == ["a"] and own["a"][:2] == (500, 1)
     assert own["a"].arrival_rate_per_s == pytest.approx(1.0, rel=0.1)
-    fleet.peer_work = lambda name: DispatchedWork(3000, 2, 2.0) if name == "a" else NO_WORK
+    fleet.peer_work = PeerWork(1.0, clock=lambda: 0.0)
+    assert fleet.peer_work.update("peer", 0.0, {"a": DispatchedWork(3000, 2, 2.0)})
     view = fleet.view("a", PrefixMatch())
     assert (view.in_flight_prefill_tokens, view.in_flight_prefilling) == (3500, 3)
     assert view.arrival_rate_per_s == pytest.approx(3.0, rel=0.05)
@@ -164,7 +169,7 @@ async def test_peers_work_adds_to_the_queue_and_the_arrival_rate(session: aiohtt
 
 async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> None:
     clock = FakeClock()
-    fleet = Fleet(config("a", extra="scrape: {stale_after_ms: 500}\n"), session, clock=clock)
+    fleet = fleet_of(config("a", extra="scrape: {stale_after_ms: 500}\n"), session, clock=clock)
     r = fleet.replicas["a"]
     r.healthy = True
     r.scraped = ScrapedLoad(at=clock.now, waiting=4, running=2, kv_usage=0.5)
@@ -180,7 +185,7 @@ async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> Non
 
 
 async def test_drain_stops_routing_but_keeps_the_cache_as_a_transfer_source(session: aiohttp.ClientSession) -> None:
-    fleet = Fleet(config("a", "b"), session)
+    fleet = fleet_of(config("a", "b"), session)
     rec = Recorder()
     fleet.listeners.append(rec)
     for r in fleet.replicas.values():
@@ -196,18 +201,18 @@ async def test_drain_stops_routing_but_keeps_the_cache_as_a_transfer_source(sess
 
 
 async def test_only_a_healthy_engine_with_a_closed_breaker_can_source(session: aiohttp.ClientSession) -> None:
-    fleet = Fleet(config("a", "b"), session)
+    fleet = fleet_of(config("a", "b"), session)
     a, b = fleet.replicas.values()
     a.healthy, b.healthy = False, True
     assert not fleet.view("a", PrefixMatch()).can_source
-    for _ in range(fleet.config.breaker.failures_to_open):
+    for _ in range(fleet.breaker.failures_to_open):
         b.breaker.record_failure()
     v = fleet.view("b", PrefixMatch())
     assert b.breaker.state == "open" and not v.can_source and not v.healthy
 
 
 async def test_models_union_and_lora_base(session: aiohttp.ClientSession) -> None:
-    fleet = Fleet(config("a", "b", "c"), session)
+    fleet = fleet_of(config("a", "b", "c"), session)
     a, b, c = fleet.replicas.values()
     a.healthy = b.healthy = True
     a.served_models = [{"id": "base", "root": "base", "parent": None}]
@@ -223,7 +228,7 @@ async def test_models_union_and_lora_base(session: aiohttp.ClientSession) -> Non
 
 
 async def test_apply_config_diffs_file_replicas_and_keeps_admin_ones(session: aiohttp.ClientSession) -> None:
-    fleet = Fleet(config("a", "b", "c"), session)
+    fleet = fleet_of(config("a", "b", "c"), session)
     rec = Recorder()
     fleet.listeners.append(rec)
     await fleet.start()
@@ -239,7 +244,7 @@ async def test_apply_config_diffs_file_replicas_and_keeps_admin_ones(session: ai
             "  - {name: c, url: 'http://127.0.0.1:9/c-moved'}\n"
             "  - {name: d, url: 'http://127.0.0.1:9/d'}\n"
         )
-        fleet.apply_config(new)
+        reconfigure(fleet, new)
         assert list(fleet.replicas) == ["b", "admin1", "c", "d"]
         assert fleet.replicas["b"] is b_before and b_before.config.labels == {"zone": "z1"}
         assert fleet.replicas["c"] is not c_before and fleet.replicas["c"].url.endswith("/c-moved")
@@ -306,7 +311,7 @@ async def test_health_loop_marks_down_and_recovery_bumps_generation(
         "health: {interval_s: 0.02, timeout_s: 0.5, failures_to_down: 2, successes_to_up: 2}\n"
         "scrape: {interval_ms: 20}\n"
     )
-    fleet = Fleet(cfg, session)
+    fleet = fleet_of(cfg, session)
     rec = Recorder()
     fleet.listeners.append(rec)
     await fleet.start()
@@ -329,7 +334,7 @@ async def test_health_loop_marks_down_and_recovery_bumps_generation(
 
 async def test_added_replica_gets_probed(session: aiohttp.ClientSession, engine: tuple[FakeEngine, str]) -> None:
     _, url = engine
-    fleet = Fleet(parse_config("health: {interval_s: 10}\nscrape: {interval_ms: 20}\n"), session)
+    fleet = fleet_of(parse_config("health: {interval_s: 10}\nscrape: {interval_ms: 20}\n"), session)
     await fleet.start()
     try:
         r = fleet.add(ReplicaConfig(name="late", url=url))
@@ -356,7 +361,7 @@ async def test_a_moved_process_start_time_reports_a_restart_within_a_scrape(
     eng, url = engine
     eng.metrics = VLLM_METRICS + "process_start_time_seconds 1700000000.25\n"
     cfg = parse_config(f"replicas: [{{name: e, url: '{url}'}}]\nhealth: {{interval_s: 10}}\nscrape: {{interval_ms: 20}}\n")
-    fleet = Fleet(cfg, session)
+    fleet = fleet_of(cfg, session)
     restarts: list[tuple[str, float]] = []
 
     class Restarts(FleetListener):
@@ -393,7 +398,7 @@ async def test_a_recovery_whose_scrape_fails_waits_for_the_engines_start_time(
         "health: {interval_s: 0.1, timeout_s: 0.5, failures_to_down: 1, successes_to_up: 1}\n"
         "scrape: {interval_ms: 20}\n"
     )
-    fleet = Fleet(cfg, session)
+    fleet = fleet_of(cfg, session)
     rec = Recorder()
     fleet.listeners.append(rec)
     await fleet.start()

@@ -10,11 +10,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from kvgate.router.app.admin import build_admin_router
+from kvgate.router.core.auth import ADMIN_TOKEN_ENV
+from kvgate.router.core.errors import install_error_handlers
 from kvgate.router.fleet.state import Fleet
-from kvgate.router.http.admin import build_admin_router
-from kvgate.router.http.auth import ADMIN_TOKEN_ENV
-from kvgate.router.http.errors import install_error_handlers
-from kvgate.router.ops.reload import ConfigHolder
+from kvgate.router.settings.holder import ConfigHolder
+from tests.fleets import fleet_of, reconfigure
 
 CONFIG = """\
 server: {admin_token: s3cret}
@@ -30,8 +31,8 @@ async def admin(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Fleet,
     path.write_text(CONFIG)
     holder = ConfigHolder(path)
     async with aiohttp.ClientSession() as session:
-        fleet = Fleet(holder.current, session)
-        holder.subscribe(fleet.apply_config)
+        fleet = fleet_of(holder.current, session)
+        holder.subscribe(lambda config: reconfigure(fleet, config))
         await fleet.start()
         app = FastAPI()
         install_error_handlers(app)
@@ -70,7 +71,7 @@ async def test_admin_off_without_token_is_404(tmp_path: Path, monkeypatch: pytes
     async with aiohttp.ClientSession() as session:
         app = FastAPI()
         install_error_handlers(app)
-        app.include_router(build_admin_router(Fleet(holder.current, session), holder))
+        app.include_router(build_admin_router(fleet_of(holder.current, session), holder))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://k") as client:
             assert_openai_error(await client.get("/admin/replicas", headers=AUTH), 404)
             monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-env")

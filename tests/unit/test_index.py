@@ -7,6 +7,7 @@ import pytest
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.match import PrefixMatch, Tier
+from tests.index_inspection import tiers_of
 
 BS = 4
 
@@ -40,7 +41,7 @@ def test_each_block_counts_in_its_best_tier() -> None:
     index.store("a", k[1:4], Tier.CPU, 0)
     index.store("a", k[3:5], Tier.STORAGE, 0)
     assert index.lookup(k, BS) == {"a": PrefixMatch(gpu=8, cpu=8, storage=4)}
-    assert index.tiers_of("a", k[3]) == [Tier.CPU, Tier.STORAGE]
+    assert tiers_of(index, "a", k[3]) == [Tier.CPU, Tier.STORAGE]
     index.remove("a", k[:1], Tier.GPU)
     assert index.lookup(k, BS) == {}
     index.remove("a", k[1:2], Tier.GPU)

@@ -9,7 +9,7 @@ from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.ingest import ApplyStatus, EventIngestor
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.match import PrefixMatch
-from kvgate.cache_index.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvgate.loadgen.sim.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 BS = 4
 TOKENS = list(range(500, 516))  # four blocks

@@ -10,10 +10,10 @@ import pytest
 
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.snapshot import pack_keys
-from kvgate.router.config import parse_config
 from kvgate.router.fleet.state import NO_WORK, DispatchedWork
 from kvgate.router.peers.hints import WARMING_FORMAT, WORK_FORMAT, Hint, HintExchange, Warming, Work
-from kvgate.router.peers.work import MAX_PREFILL_TOKENS, PeerWork
+from kvgate.router.fleet.peer_work import MAX_PREFILL_TOKENS, PeerWork
+from kvgate.router.settings.schema import parse_config
 
 
 class Clock:
@@ -79,14 +79,14 @@ def test_received_work_counts_for_known_replicas_only_and_never_ones_own() -> No
     clock = Clock()
     hints = exchange(clock)
     assert hints.apply(encode(Work(clock.now, "peer", [("r0", 800, 1, 2.0), ("elsewhere", 5, 1, 1.0)])))
-    assert hints.peer_work("r0") == (800, 1, 2.0) and hints.peer_work("elsewhere") == NO_WORK
+    assert hints.work.work("r0") == (800, 1, 2.0) and hints.work.work("elsewhere") == NO_WORK
     assert not hints.apply(encode(Work(clock.now, "me", [("r1", 800, 1, 2.0)])))  # heard itself (DNS lists it too)
-    assert hints.peer_work("r1") == NO_WORK
+    assert hints.work.work("r1") == NO_WORK
     assert not hints.apply(encode(Work(clock.now - 5, "peer2", [("r1", 800, 1, 2.0)])))
     assert not hints.apply(b"\x93\x03\xcb")  # truncated
     assert hints.stats.work_applied == 1 and hints.stats.work_dropped == 1 and hints.stats.dropped == 1
     clock.now += 1.0
-    assert hints.peer_work("r0") == NO_WORK
+    assert hints.work.work("r0") == NO_WORK
 
 
 def test_a_report_in_another_format_is_dropped() -> None:
@@ -95,14 +95,14 @@ def test_a_report_in_another_format_is_dropped() -> None:
     clock = Clock()
     hints = exchange(clock)
     assert not hints.apply(msgspec.msgpack.encode([WORK_FORMAT - 1, clock.now, "old", [["r0", 800, 1]]]))
-    assert hints.peer_work("r0") == NO_WORK and hints.stats.dropped == 1
+    assert hints.work.work("r0") == NO_WORK and hints.stats.dropped == 1
 
 
 def test_work_is_ignored_when_sharing_is_off() -> None:
     clock = Clock()
     hints = exchange(clock, work_ttl_s=0)
     assert not hints.apply(encode(Work(clock.now, "peer", [("r0", 800, 1, 2.0)])))
-    assert hints.peer_work("r0") == NO_WORK
+    assert hints.work.work("r0") == NO_WORK
 
 
 def test_a_hint_from_oneself_is_not_credited_again() -> None:

@@ -6,12 +6,13 @@ import msgspec
 import pytest
 
 from kvgate.policies.base import NoHealthyReplica
-from kvgate.router.http.config import TenantsConfig
-from kvgate.router.http.errors import ApiError
-from kvgate.router.http.tenants import TenantResolver
+from kvgate.router.apis.openai import COMPLETIONS
+from kvgate.router.core.config import TenantsConfig
+from kvgate.router.core.errors import ApiError
+from kvgate.router.core.tenants import TenantResolver
 from kvgate.router.pipeline.admit import Admission, ClientHeaders, resolve_tenant, upstream_headers
+from kvgate.router.pipeline.errors import routing_errors
 from kvgate.router.pipeline.parse import parse, salt_for_tenant
-from kvgate.router.pipeline.route import routing_errors
 from kvgate.router.prompts.tokenizer import PromptError
 
 TENANTS = TenantResolver(TenantsConfig(api_keys={"sk-alice": "alice"}, salt_secret="s" * 32), {})
@@ -29,14 +30,14 @@ class FakeFleet:
         return ["r0"] if self._routable else []
 
 
-class FakeRouter:
-    """What the parse stage asks of the router: the models it knows, and whether any replica is routable."""
+class FakeCatalog:
+    """What the parse stage asks of the model catalog: the models it knows, and whether any replica is routable."""
 
     def __init__(self, models: set[str], routable: bool = True) -> None:
         self.models = models
         self.fleet = FakeFleet(routable)
 
-    def knows_model(self, model: str) -> bool:
+    def knows(self, model: str) -> bool:
         return model in self.models
 
 
@@ -65,21 +66,21 @@ def test_the_clients_key_reaches_the_engine_only_without_tenants() -> None:
 
 def test_parse_knows_the_model_or_answers_404_or_503() -> None:
     raw = b'{"model": "m", "prompt": "hi", "stream": true, "cache_salt": "mine"}'
-    parsed = parse(raw, FakeRouter({"m"}))  # type: ignore[arg-type]
+    parsed = parse(raw, COMPLETIONS, FakeCatalog({"m"}))  # type: ignore[arg-type]
     assert (parsed.raw, parsed.model, parsed.stream, parsed.cache_salt) == (raw, "m", True, "mine")
     with pytest.raises(ApiError) as unknown:
-        parse(raw, FakeRouter({"other"}))  # type: ignore[arg-type]
+        parse(raw, COMPLETIONS, FakeCatalog({"other"}))  # type: ignore[arg-type]
     assert unknown.value.status == 404
     with pytest.raises(ApiError) as empty:
-        parse(raw, FakeRouter(set(), routable=False))  # type: ignore[arg-type]
+        parse(raw, COMPLETIONS, FakeCatalog(set(), routable=False))  # type: ignore[arg-type]
     assert empty.value.status == 503
 
 
 def test_a_tenants_salt_replaces_the_clients_in_the_forwarded_bytes() -> None:
     raw = b'{"model": "m", "prompt": "hi", "cache_salt": "mine"}'
-    untouched = salt_for_tenant(parse(raw, FakeRouter({"m"})), TenantResolver(TenantsConfig()), None)  # type: ignore[arg-type]
+    untouched = salt_for_tenant(parse(raw, COMPLETIONS, FakeCatalog({"m"})), TenantResolver(TenantsConfig()), None)  # type: ignore[arg-type]
     assert untouched.raw is raw
-    salted = salt_for_tenant(parse(raw, FakeRouter({"m"})), TENANTS, "alice")  # type: ignore[arg-type]
+    salted = salt_for_tenant(parse(raw, COMPLETIONS, FakeCatalog({"m"})), TENANTS, "alice")  # type: ignore[arg-type]
     assert salted.cache_salt not in (None, "mine")
     assert msgspec.json.decode(salted.raw)["cache_salt"] == salted.cache_salt
 

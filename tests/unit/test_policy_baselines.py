@@ -9,18 +9,20 @@ import pytest
 
 from kvgate.cache_index.match import PrefixMatch
 from kvgate.policies.base import ReplicaView, RouteRequest
-from kvgate.policies.config import ModelConfig, PolicyConfig, PrefixAffinityConfig, TransferConfig
+from kvgate.policies.config import PolicyConfig, PrefixAffinityConfig, TransferConfig
 from kvgate.policies.cost_model import CostModel
 from kvgate.policies.least_loaded import LeastLoadedPolicy
 from kvgate.policies.prefix_affinity import PrefixAffinityPolicy
 from kvgate.policies.registry import POLICY_NAMES, create_policy
 from kvgate.policies.round_robin import RoundRobinPolicy
+from kvgate.router.core.config import ModelConfig
 
 REQUEST = RouteRequest(request_id="r", model="m", prompt_tokens=1000, block_size=16)
 
 
 def default_cost_model() -> CostModel:
-    return CostModel.from_config(ModelConfig(name="m"), PolicyConfig(), TransferConfig())
+    model = ModelConfig(name="m")
+    return CostModel.from_config(model.prefill, model.kv_bytes_per_token, PolicyConfig(), TransferConfig())
 
 
 def replica(name: str, *, healthy: bool = True, gpu: int = 0, in_flight: int = 0, **kw: object) -> ReplicaView:

@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 
 from kvgate.loadgen.assets import TOKENIZER_DIR
-from kvgate.policies.config import ModelConfig
-from kvgate.router.config import ConfigError
-from kvgate.router.http.config import LimitsConfig
+from kvgate.router.apis.openai import parse_chat
+from kvgate.router.core.config import LimitsConfig, ModelConfig
+from kvgate.router.core.errors import ConfigError
 from kvgate.router.prompts.model_tokenizer import ModelTokenizer
-from kvgate.router.prompts.tokenizer import PromptError, PromptTokenizer, parse_chat
+from kvgate.router.prompts.prompt import PromptError
+from kvgate.router.prompts.tokenizer import PromptTokenizer
+from tests.tokenizing import tokenize_body
 
 MODEL = "kvgate-sim"
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -59,7 +61,7 @@ async def test_completion_texts_match_model_tokenizer(prompts: PromptTokenizer, 
     rng = random.Random(1)
     for _ in range(300):
         text = random_text(rng, 400)
-        result = await prompts.tokenize(MODEL, "completions", {"prompt": text})
+        result = await tokenize_body(prompts, MODEL, "completions", {"prompt": text})
         assert result.token_ids.tolist() == reference.encode(text), repr(text)
         assert (result.source, result.approximate, result.token_ids.typecode) == ("local", False, "I")
 
@@ -70,7 +72,7 @@ async def test_long_documents_cut_into_chunks_match(prompts: PromptTokenizer, re
     before = len(prompts.cache)
     for question in ["What is it?", "Summarise it.\n", ""]:
         text = document + question
-        assert (await prompts.tokenize(MODEL, "completions", {"prompt": text})).token_ids.tolist() == reference.encode(text)
+        assert (await tokenize_body(prompts, MODEL, "completions", {"prompt": text})).token_ids.tolist() == reference.encode(text)
     assert len(prompts.cache) - before > 10  # the document was cached as many chunks, shared by the three prompts
 
 
@@ -80,13 +82,13 @@ async def test_chats_match_model_tokenizer(prompts: PromptTokenizer, reference: 
         messages = random_chat(rng, rng.randint(1, 8))
         add_generation_prompt = rng.random() < 0.7
         body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
-        result = await prompts.tokenize(MODEL, "chat", body)
+        result = await tokenize_body(prompts, MODEL, "chat", body)
         assert result.token_ids.tolist() == reference.encode_chat(messages, add_generation_prompt)
 
 
 async def test_multi_part_content_is_joined_with_newlines(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
     parts = [{"type": "text", "text": "first"}, "second", {"type": "text", "text": "third <|im_end|>"}]
-    result = await prompts.tokenize(MODEL, "chat", {"messages": [{"role": "user", "content": parts}]})
+    result = await tokenize_body(prompts, MODEL, "chat", {"messages": [{"role": "user", "content": parts}]})
     joined = [{"role": "user", "content": "first\nsecond\nthird <|im_end|>"}]
     assert result.token_ids.tolist() == reference.encode_chat(joined)
 
@@ -98,7 +100,7 @@ async def test_growing_chat_hits_the_cache_and_stays_exact(prompts: PromptTokeni
         # Short messages without special tokens: one piece each, so the miss count below is exact.
         messages.append({"role": "user" if turn % 2 == 0 else "assistant", "content": random_text(rng, 20, False)})
         hits, misses = prompts.cache.hits, prompts.cache.misses
-        result = await prompts.tokenize(MODEL, "chat", {"messages": list(messages)})
+        result = await tokenize_body(prompts, MODEL, "chat", {"messages": list(messages)})
         assert result.token_ids.tolist() == reference.encode_chat(messages)
         if turn:
             # Only the new message can miss; every earlier message (and the template's glue) is a hit.
@@ -112,21 +114,21 @@ async def test_cached_pieces_are_shared_only_within_a_namespace(
     """A piece cached for one tenant's namespace is a miss for every other: cache hits would make another tenant's
     texts measurably faster to route."""
     body = {"prompt": " ".join(f"tenant text {i}." for i in range(300))}
-    first = await prompts.tokenize(MODEL, "completions", body, namespace="kvg-alice")
+    first = await tokenize_body(prompts, MODEL, "completions", body, namespace="kvg-alice")
     hits, misses = prompts.cache.hits, prompts.cache.misses
     for namespace in ("kvg-bob", None):
-        again = await prompts.tokenize(MODEL, "completions", body, namespace=namespace)
+        again = await tokenize_body(prompts, MODEL, "completions", body, namespace=namespace)
         assert again.token_ids.tolist() == first.token_ids.tolist() == reference.encode(body["prompt"])
         assert prompts.cache.hits == hits and prompts.cache.misses > misses
         misses = prompts.cache.misses
-    await prompts.tokenize(MODEL, "completions", body, namespace="kvg-alice")
+    await tokenize_body(prompts, MODEL, "completions", body, namespace="kvg-alice")
     assert prompts.cache.hits > hits and prompts.cache.misses == misses
 
 
 async def test_continue_final_message_and_template_options(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
     messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I am "}]
     body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
-    result = await prompts.tokenize(MODEL, "chat", body)
+    result = await tokenize_body(prompts, MODEL, "chat", body)
     expected = reference.encode_chat(messages, False, continue_final_message=True)
     assert result.token_ids.tolist() == expected
     assert reference.decode(expected).endswith("<|im_start|>assistant\nHi, I am ")
@@ -136,19 +138,19 @@ async def test_request_chat_template_overrides_the_models(prompts: PromptTokeniz
     template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{% if flavour %}{{ flavour }}{% endif %}"
     body = {"messages": [{"role": "user", "content": "hey"}], "chat_template": template,
             "chat_template_kwargs": {"flavour": "<|endoftext|>", "unused": 1}}
-    result = await prompts.tokenize(MODEL, "chat", body)
+    result = await tokenize_body(prompts, MODEL, "chat", body)
     assert result.token_ids.tolist() == reference.encode("[user]hey<|endoftext|>", add_special_tokens=False)
 
 
 async def test_token_id_prompts_pass_through(prompts: PromptTokenizer) -> None:
-    result = await prompts.tokenize(MODEL, "completions", {"prompt": [5, 6, 7]})
+    result = await tokenize_body(prompts, MODEL, "completions", {"prompt": [5, 6, 7]})
     assert (result.token_ids.tolist(), result.source, result.approximate, result.prompt_count) == ([5, 6, 7], "ids", False, 1)
-    batch = await prompts.tokenize(MODEL, "completions", {"prompt": [[1, 2], [3]]})
+    batch = await tokenize_body(prompts, MODEL, "completions", {"prompt": [[1, 2], [3]]})
     assert (batch.token_ids.tolist(), batch.source, batch.prompt_count) == ([1, 2], "ids", 2)
 
 
 async def test_batch_of_text_prompts_routes_on_the_first(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
-    result = await prompts.tokenize(MODEL, "completions", {"prompt": ["one two", "three"]})
+    result = await tokenize_body(prompts, MODEL, "completions", {"prompt": ["one two", "three"]})
     assert (result.token_ids.tolist(), result.prompt_count) == (reference.encode("one two"), 2)
 
 
@@ -156,15 +158,15 @@ async def test_approximate_mode_is_stable_flagged_and_prefix_preserving() -> Non
     tokenizer = PromptTokenizer([])
     try:
         text = "The same long prompt, sent twice. " * 20
-        first = await tokenizer.tokenize("unknown", "completions", {"prompt": text})
-        again = await tokenizer.tokenize("unknown", "completions", {"prompt": text})
-        longer = await tokenizer.tokenize("unknown", "completions", {"prompt": text + "More."})
+        first = await tokenize_body(tokenizer, "unknown", "completions", {"prompt": text})
+        again = await tokenize_body(tokenizer, "unknown", "completions", {"prompt": text})
+        longer = await tokenize_body(tokenizer, "unknown", "completions", {"prompt": text + "More."})
         assert first.approximate and first.source == "approximate"
         assert first.token_ids == again.token_ids
         assert longer.token_ids[: len(first.token_ids)] == first.token_ids
         assert len(first.token_ids) == len(text.encode()) // 4
         chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}]}
-        assert (await tokenizer.tokenize("unknown", "chat", chat)).approximate
+        assert (await tokenize_body(tokenizer, "unknown", "chat", chat)).approximate
         assert tokenizer.stats.by_source["approximate"] == 4
     finally:
         tokenizer.close()
@@ -187,10 +189,10 @@ async def test_engine_tokenize_used_without_a_local_tokenizer() -> None:
     engine = FakeEngine({"count": 3, "tokens": [9, 8, 7], "max_model_len": 100})
     tokenizer = PromptTokenizer([], engine)
     try:
-        result = await tokenizer.tokenize("remote", "completions", {"prompt": "hello"})
+        result = await tokenize_body(tokenizer, "remote", "completions", {"prompt": "hello"})
         assert (result.token_ids.tolist(), result.source, result.approximate) == ([9, 8, 7], "engine", False)
         chat = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
-        await tokenizer.tokenize("remote", "chat", chat)
+        await tokenize_body(tokenizer, "remote", "chat", chat)
         assert engine.bodies[0] == {"model": "remote", "prompt": "hello", "add_special_tokens": True}
         assert engine.bodies[1] == {
             "model": "remote", "messages": chat["messages"], "add_generation_prompt": True,
@@ -206,7 +208,7 @@ async def test_media_content_goes_to_the_engine_even_with_a_local_tokenizer(prom
     tokenizer = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))], engine)
     try:
         content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
-        result = await tokenizer.tokenize(MODEL, "chat", {"messages": [{"role": "user", "content": content}]})
+        result = await tokenize_body(tokenizer, MODEL, "chat", {"messages": [{"role": "user", "content": content}]})
         assert result.source == "engine" and engine.bodies[0]["messages"][0]["content"] == content
     finally:
         tokenizer.close()
@@ -216,7 +218,7 @@ async def test_media_content_goes_to_the_engine_even_with_a_local_tokenizer(prom
 async def test_engine_failure_falls_back_to_approximate(engine: FakeEngine) -> None:
     tokenizer = PromptTokenizer([], engine)
     try:
-        result = await tokenizer.tokenize("remote", "completions", {"prompt": "hello world"})
+        result = await tokenize_body(tokenizer, "remote", "completions", {"prompt": "hello world"})
         assert result.source == "approximate" and result.approximate
         assert tokenizer.stats.engine_errors == 1
     finally:
@@ -253,7 +255,7 @@ async def test_client_mistakes_raise_prompt_error(
     prompts: PromptTokenizer, endpoint: str, body: dict[str, Any], param: str
 ) -> None:
     with pytest.raises(PromptError) as caught:
-        await prompts.tokenize(MODEL, endpoint, body)  # type: ignore[arg-type]
+        await tokenize_body(prompts, MODEL, endpoint, body)  # type: ignore[arg-type]
     assert caught.value.param == param
 
 
@@ -263,7 +265,7 @@ async def test_cache_stays_within_its_byte_budget(reference: ModelTokenizer) -> 
         rng = random.Random(5)
         for _ in range(60):
             messages = random_chat(rng, 4)
-            assert (await tokenizer.tokenize(MODEL, "chat", {"messages": messages})).token_ids.tolist() == reference.encode_chat(messages)
+            assert (await tokenize_body(tokenizer, MODEL, "chat", {"messages": messages})).token_ids.tolist() == reference.encode_chat(messages)
             assert tokenizer.cache.bytes <= 20_000
         assert tokenizer.cache.evictions > 0
     finally:
@@ -283,7 +285,7 @@ async def test_local_failure_falls_back_and_is_counted(monkeypatch: pytest.Monke
             raise RuntimeError("tokenizer exploded")
 
         monkeypatch.setattr(tokenizer._models[MODEL].splitter, "pieces", broken)
-        result = await tokenizer.tokenize(MODEL, "completions", {"prompt": "hello"})
+        result = await tokenize_body(tokenizer, MODEL, "completions", {"prompt": "hello"})
         assert (result.source, result.token_ids.tolist()) == ("engine", [4, 2])
         assert tokenizer.stats.local_errors == 1
     finally:
@@ -291,7 +293,7 @@ async def test_local_failure_falls_back_and_is_counted(monkeypatch: pytest.Monke
 
 
 async def test_stats_snapshot_has_every_counter(prompts: PromptTokenizer) -> None:
-    await prompts.tokenize(MODEL, "completions", {"prompt": "count me"})
+    await tokenize_body(prompts, MODEL, "completions", {"prompt": "count me"})
     stats = prompts.stats
     assert stats.by_source["local"] >= 1 and stats.cpu_seconds > 0
     assert stats.cache_entries == len(prompts.cache) and stats.cache_bytes == prompts.cache.bytes > 0
@@ -310,10 +312,10 @@ async def test_completion_special_tokens_wrap_matches_model_tokenizer(tmp_path: 
             ({"prompt": "hello there"}, reference.encode("hello there")),
             ({"prompt": "hello there", "add_special_tokens": False}, reference.encode("hello there", False)),
         ]:
-            assert (await tokenizer.tokenize("llama-like", "completions", body)).token_ids.tolist() == expected
+            assert (await tokenize_body(tokenizer, "llama-like", "completions", body)).token_ids.tolist() == expected
         assert reference.encode("hello there")[0] == 0
         chat = {"messages": [{"role": "user", "content": "hi"}]}
-        assert (await tokenizer.tokenize("llama-like", "chat", chat)).token_ids.tolist() == reference.encode_chat(chat["messages"])
+        assert (await tokenize_body(tokenizer, "llama-like", "chat", chat)).token_ids.tolist() == reference.encode_chat(chat["messages"])
     finally:
         tokenizer.close()
 

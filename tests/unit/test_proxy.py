@@ -1,4 +1,5 @@
-"""kvgate.router.upstream.proxy against real loopback HTTP servers (aiohttp) standing in for engines."""
+"""A request's attempts (kvgate.router.fleet.attempts, through kvgate.router.upstream.proxy) on a real fleet, against
+real loopback HTTP servers (aiohttp) standing in for engines."""
 
 from __future__ import annotations
 
@@ -8,62 +9,89 @@ import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from kvgate.router.apis.openai import CHAT, COMPLETIONS, usage_of_body, usage_of_stream_tail
+from kvgate.router.core.metrics import GatewayMetrics
+from kvgate.router.fleet.attempts import NO_LOAD, Attempts
+from kvgate.router.fleet.config import ReplicaConfig
+from kvgate.router.fleet.state import Fleet
+from kvgate.router.fleet.tickets import LoadTicket
+from kvgate.router.pipeline.relay import StreamResult, relay_stream
 from kvgate.router.routing.transfers import first_leg_body, prefill_for_transfer
-from kvgate.router.upstream.config import ProxyConfig
-from kvgate.router.upstream.proxy import (
-    AttemptFailed,
-    Forward,
-    Proxy,
-    StreamResult,
-    create_session,
-    first_byte_deadline_s,
-    relay_stream,
-    usage_of_body,
-    usage_of_stream_tail,
-)
+from kvgate.router.upstream.config import BreakerConfig, HealthConfig, ProxyConfig, ScrapeConfig
+from kvgate.router.upstream.proxy import AttemptFailed, Forward, Proxy, create_session, first_byte_deadline_s
 from tests.support import free_port_block
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass
-class FakeTicket:
+class TicketSpy:
+    """A real load ticket, and what the attempts told it."""
+
+    ticket: LoadTicket
     first: bool = False
     finished: list[bool | None] = field(default_factory=list)
     blamed: bool = False
 
     def first_token(self) -> None:
         self.first = True
+        self.ticket.first_token()
 
     def finish(self, ok: bool | None) -> None:
         if not self.finished:
             self.finished.append(ok)
+        self.ticket.finish(ok)
 
     def blame(self) -> None:
         self.blamed = True
+        self.ticket.blame()
 
 
 @dataclass
-class FakeDispatcher:
-    urls: dict[str, str]
-    down: set[str] = field(default_factory=set)
-    tickets: list[tuple[str, FakeTicket]] = field(default_factory=list)
+class FleetOn:
+    """A real fleet of replicas at these URLs, its attempts, and every ticket they were dispatched with."""
 
-    def url_of(self, name: str) -> str | None:
-        return self.urls.get(name)
+    attempts: Attempts
+    metrics: GatewayMetrics
+    tickets: list[tuple[str, TicketSpy]] = field(default_factory=list)
 
-    def routable(self, name: str) -> bool:
-        return name not in self.down
+    def counted(self, metric: Any) -> list[tuple[str, ...]]:
+        """Each label set of a counter, once per count."""
+        return [tuple(sample.labels.values()) for family in metric.collect() for sample in family.samples
+                if sample.name.endswith("_total") for _ in range(int(sample.value))]
 
-    def dispatch(self, name: str) -> FakeTicket:
-        ticket = FakeTicket()
-        self.tickets.append((name, ticket))
-        return ticket
+    @property
+    def retry_causes(self) -> list[str]:
+        return [cause for (cause,) in self.counted(self.metrics.retries)]
+
+    @property
+    def failures(self) -> list[tuple[str, ...]]:
+        return self.counted(self.metrics.upstream_failures.metric)
+
+
+def fleet_on(proxy: Proxy, urls: dict[str, str], down: frozenset[str] = frozenset()) -> FleetOn:
+    """Replicas ``urls`` (name: base URL), healthy but for ``down``."""
+    replicas = [ReplicaConfig(name=name, url=url) for name, url in urls.items()]
+    fleet = Fleet(replicas, proxy.session, health=HealthConfig(), scrape=ScrapeConfig(), breaker=BreakerConfig())
+    for name, replica in fleet.replicas.items():
+        replica.healthy = name not in down
+    metrics = GatewayMetrics()
+    spied = FleetOn(Attempts(proxy, fleet, metrics, random.Random(0)), metrics)
+    dispatch = fleet.dispatch
+
+    def dispatch_and_record(name: str, prefill_tokens: int, caller: str | None = None) -> LoadTicket:
+        spy = TicketSpy(dispatch(name, prefill_tokens, caller))
+        spied.tickets.append((name, spy))
+        return spy  # type: ignore[return-value]  # a LoadTicket in all it is asked
+
+    fleet.dispatch = dispatch_and_record  # type: ignore[method-assign]
+    return spied
 
 
 @pytest.fixture
@@ -87,16 +115,10 @@ async def engines() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
 
 
 @pytest.fixture
-def causes() -> list[str]:
-    """Retry causes the proxy reported."""
-    return []
-
-
-@pytest.fixture
-async def proxy(causes: list[str]) -> AsyncIterator[Proxy]:
+async def proxy() -> AsyncIterator[Proxy]:
     config = ProxyConfig(connect_timeout_s=1.0, first_byte_timeout_s=0.5, backoff_base_ms=1, backoff_max_ms=2)
     session = create_session(config)
-    yield Proxy(session, config, random.Random(0), on_retry=causes.append)
+    yield Proxy(session, config)
     await session.close()
 
 
@@ -115,14 +137,14 @@ async def ok_json(request: web.Request) -> web.Response:
                                                        "prompt_tokens_details": {"cached_tokens": 4}}})
 
 
-async def test_connection_refused_is_retried_on_the_next_replica(proxy: Proxy, engines, causes: list[str]) -> None:  # type: ignore[no-untyped-def]
+async def test_connection_refused_is_retried_on_the_next_replica(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
     good = await engines(ok_json)
-    d = FakeDispatcher({"dead": closed_port_url(), "good": good})
-    up = await proxy.forward(forward(["dead", "good"]), d)
+    d = fleet_on(proxy, {"dead": closed_port_url(), "good": good})
+    up = await d.attempts.forward(forward(["dead", "good"]))
     assert up.replica == "good" and up.attempts == 2 and up.status == 200
     assert [(n, t.finished) for n, t in d.tickets] == [("dead", [False]), ("good", [])]
     assert d.tickets[1][1].first
-    assert causes == ["connect"]
+    assert d.retry_causes == ["connect"]
     assert usage_of_body(up.body) is not None and usage_of_body(up.body).cached_tokens == 4  # type: ignore[union-attr]
 
 
@@ -133,9 +155,9 @@ async def test_5xx_and_429_retry_then_the_last_failure_is_raised(proxy: Proxy, e
     async def broken(request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "boom"}}, status=503)
 
-    d = FakeDispatcher({"a": await engines(busy), "b": await engines(broken)})
+    d = fleet_on(proxy, {"a": await engines(busy), "b": await engines(broken)})
     with pytest.raises(AttemptFailed) as caught:
-        await proxy.forward(forward(["a", "b"]), d)
+        await d.attempts.forward(forward(["a", "b"]))
     assert caught.value.status == 503 and json.loads(caught.value.body)["error"]["message"] == "boom"
     # A 429 is backpressure and a 5xx on every replica may be the request's own doing: nobody is blamed.
     assert [(t.finished, t.blamed) for _, t in d.tickets] == [([None], False), ([None], False)]
@@ -145,27 +167,27 @@ async def test_client_errors_are_returned_not_retried(proxy: Proxy, engines) -> 
     async def bad(request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "bad prompt"}}, status=400)
 
-    d = FakeDispatcher({"a": await engines(bad), "b": await engines(ok_json)})
-    up = await proxy.forward(forward(["a", "b"]), d)
+    d = fleet_on(proxy, {"a": await engines(bad), "b": await engines(ok_json)})
+    up = await d.attempts.forward(forward(["a", "b"]))
     assert up.replica == "a" and up.status == 400 and len(d.tickets) == 1
 
 
-async def test_no_first_byte_in_time_is_a_retryable_timeout(proxy: Proxy, engines, causes: list[str]) -> None:  # type: ignore[no-untyped-def]
+async def test_no_first_byte_in_time_is_a_retryable_timeout(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
     async def slow(request: web.Request) -> web.Response:
         await asyncio.sleep(1.0)  # well past the 0.5 s first-byte timeout
         return web.json_response({})
 
-    d = FakeDispatcher({"slow": await engines(slow), "good": await engines(ok_json)})
-    up = await proxy.forward(forward(["slow", "good"]), d)
+    d = fleet_on(proxy, {"slow": await engines(slow), "good": await engines(ok_json)})
+    up = await d.attempts.forward(forward(["slow", "good"]))
     assert up.replica == "good"
-    assert causes == ["timeout"]
+    assert d.retry_causes == ["timeout"]
 
 
 async def test_unroutable_retry_targets_are_skipped_and_attempts_are_bounded(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
-    d = FakeDispatcher({"a": closed_port_url(), "b": closed_port_url(), "c": closed_port_url(),
-                        "d": await engines(ok_json)}, down={"b"})
+    d = fleet_on(proxy, {"a": closed_port_url(), "b": closed_port_url(), "c": closed_port_url(),
+                        "d": await engines(ok_json)}, down=frozenset({"b"}))
     with pytest.raises(AttemptFailed) as caught:
-        await proxy.forward(forward(["a", "b", "c", "d"], attempts=2), d)
+        await d.attempts.forward(forward(["a", "b", "c", "d"], attempts=2))
     assert caught.value.cause == "connect"
     assert [n for n, _ in d.tickets] == ["a", "c"]
 
@@ -176,7 +198,7 @@ def sse(*events: dict) -> list[bytes]:
 
 async def collect(up, results: list[StreamResult]) -> bytes:  # type: ignore[no-untyped-def]
     out = b""
-    async for chunk in relay_stream(up, results.append):
+    async for chunk in relay_stream(up, CHAT, results.append):
         out += chunk
     return out
 
@@ -193,8 +215,8 @@ async def test_stream_is_relayed_and_its_usage_read_from_the_tail(proxy: Proxy, 
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    d = FakeDispatcher({"s": await engines(streaming)})
-    up = await proxy.forward(forward(["s"], stream=True), d)
+    d = fleet_on(proxy, {"s": await engines(streaming)})
+    up = await d.attempts.forward(forward(["s"], stream=True))
     assert up.body.startswith(b"data: ")
     results: list[StreamResult] = []
     out = await collect(up, results)
@@ -215,8 +237,8 @@ async def test_upstream_dying_mid_stream_ends_with_an_error_event(proxy: Proxy, 
         request.transport.abort()
         return resp
 
-    d = FakeDispatcher({"s": await engines(dies)})
-    up = await proxy.forward(forward(["s"], stream=True), d)  # returns once the first chunk is read
+    d = fleet_on(proxy, {"s": await engines(dies)})
+    up = await d.attempts.forward(forward(["s"], stream=True))  # returns once the first chunk is read
     first_chunk_read.set()
     results: list[StreamResult] = []
     out = await collect(up, results)
@@ -226,7 +248,7 @@ async def test_upstream_dying_mid_stream_ends_with_an_error_event(proxy: Proxy, 
     assert [r.end for r in results] == ["stream_error"]
 
 
-async def test_stream_closed_before_its_first_byte_is_retried(proxy: Proxy, engines, causes: list[str]) -> None:  # type: ignore[no-untyped-def]
+async def test_stream_closed_before_its_first_byte_is_retried(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
     async def empty(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -239,10 +261,10 @@ async def test_stream_closed_before_its_first_byte_is_retried(proxy: Proxy, engi
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    d = FakeDispatcher({"empty": await engines(empty), "good": await engines(streaming)})
-    up = await proxy.forward(forward(["empty", "good"], stream=True), d)
+    d = fleet_on(proxy, {"empty": await engines(empty), "good": await engines(streaming)})
+    up = await d.attempts.forward(forward(["empty", "good"], stream=True))
     assert up.replica == "good"
-    assert causes == ["disconnect"]
+    assert d.retry_causes == ["disconnect"]
 
 
 async def test_closing_the_relay_early_closes_the_upstream_connection(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
@@ -259,10 +281,10 @@ async def test_closing_the_relay_early_closes_the_upstream_connection(proxy: Pro
             upstream_gone.set()
             raise
 
-    d = FakeDispatcher({"s": await engines(endless)})
-    up = await proxy.forward(forward(["s"], stream=True), d)
+    d = fleet_on(proxy, {"s": await engines(endless)})
+    up = await d.attempts.forward(forward(["s"], stream=True))
     results: list[StreamResult] = []
-    relay = relay_stream(up, results.append)
+    relay = relay_stream(up, CHAT, results.append)
     await relay.__anext__()
     await relay.__anext__()
     await relay.aclose()
@@ -298,10 +320,10 @@ async def test_transfer_first_leg_returns_the_sources_kv_transfer_params(proxy: 
         return web.json_response({"choices": [], "kv_transfer_params": {"do_remote_prefill": True,
                                                                          "remote_engine_id": "e1"}})
 
-    d = FakeDispatcher({"src": await engines(source)})
+    d = fleet_on(proxy, {"src": await engines(source)})
     body = {"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": 50, "min_tokens": 5, "future_field": 1}
-    params = await prefill_for_transfer(proxy, "/v1/completions", body, {"x-request-id": "rid-1"}, "src", d, 5.0)
+    params = await prefill_for_transfer(d.attempts, COMPLETIONS, body, {"x-request-id": "rid-1"}, "src", NO_LOAD, 5.0)
     assert params == {"do_remote_prefill": True, "remote_engine_id": "e1"}
     sent = seen[0]["body"]
     assert sent["kv_transfer_params"]["do_remote_decode"] is True and sent["stream"] is False
@@ -314,10 +336,10 @@ async def test_transfer_first_leg_failure_means_recompute(proxy: Proxy, engines)
     async def no_params(request: web.Request) -> web.Response:
         return web.json_response({"choices": []})
 
-    d = FakeDispatcher({"dead": closed_port_url(), "plain": await engines(no_params)})
+    d = fleet_on(proxy, {"dead": closed_port_url(), "plain": await engines(no_params)})
     body = {"model": "m", "prompt": "p"}
-    assert await prefill_for_transfer(proxy, "/v1/completions", body, {}, "dead", d, 5.0) is None
-    assert await prefill_for_transfer(proxy, "/v1/completions", body, {}, "plain", d, 5.0) is None
+    assert await prefill_for_transfer(d.attempts, COMPLETIONS, body, {}, "dead", NO_LOAD, 5.0) is None
+    assert await prefill_for_transfer(d.attempts, COMPLETIONS, body, {}, "plain", NO_LOAD, 5.0) is None
 
 
 def test_first_byte_deadline_follows_the_predicted_ttft_between_floor_and_cap() -> None:
@@ -343,28 +365,34 @@ async def test_an_attempt_is_abandoned_at_its_own_deadline_and_retried(proxy: Pr
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
-    d = FakeDispatcher({"hung": await engines(silent), "good": await engines(ok)})
-    failures: list[tuple[str, str]] = []
-    proxy.on_failure = lambda replica, cause: failures.append((replica, cause))
-    asked: list[str] = []
-
-    def deadline_s(replica: str) -> float:
-        asked.append(replica)
-        return 0.1 if replica == "hung" else 5.0
-
-    fwd = Forward("/v1/completions", b"{}", {}, False, ["hung", "good"], 3, deadline_s)
+    d = fleet_on(proxy, {"hung": await engines(silent), "good": await engines(ok)})
+    deadlines = AskedDeadlines({"hung": 0.1, "good": 5.0})  # the route stage's plan
+    asked = deadlines.asked
+    fwd = Forward("/v1/completions", b"{}", {}, False, ["hung", "good"], 3, deadlines)
     try:
-        up = await proxy.forward(fwd, d)
+        up = await d.attempts.forward(fwd)
     finally:
         released.set()
     assert up.replica == "good" and up.attempts == 2
-    assert asked == ["hung", "good"] and failures == [("hung", "timeout")]
+    assert asked == ["hung", "good"] and d.failures == [("hung", "timeout")]
     # The timeout counts against "hung" once the same request succeeded on "good".
     assert [(t.finished, t.blamed) for _, t in d.tickets] == [([None], True), ([], False)]
 
 
+class AskedDeadlines(dict[str, float]):
+    """A plan of deadlines that records which replicas' the proxy read."""
+
+    def __init__(self, deadlines: dict[str, float]) -> None:
+        super().__init__(deadlines)
+        self.asked: list[str] = []
+
+    def get(self, key: str, default: float | None = None) -> float | None:  # type: ignore[override]
+        self.asked.append(key)
+        return super().get(key, default)
+
+
 def test_first_leg_body_caps_chat_completion_tokens_too() -> None:
-    leg = first_leg_body({"model": "m", "messages": [], "max_completion_tokens": 100})
+    leg = first_leg_body(CHAT, {"model": "m", "messages": [], "max_completion_tokens": 100})
     assert leg["max_completion_tokens"] == 1 and leg["max_tokens"] == 1
 
 
@@ -405,10 +433,10 @@ async def test_a_client_leaving_after_done_has_the_whole_answer(proxy: Proxy, en
         await asyncio.wait_for(client_left.wait(), 5)
         return resp
 
-    d = FakeDispatcher({"s": await engines(lingering)})
-    up = await proxy.forward(forward(["s"], stream=True), d)
+    d = fleet_on(proxy, {"s": await engines(lingering)})
+    up = await d.attempts.forward(forward(["s"], stream=True))
     results: list[StreamResult] = []
-    relay = relay_stream(up, results.append)
+    relay = relay_stream(up, CHAT, results.append)
     seen = b""
     while b"[DONE]" not in seen:
         seen += await relay.__anext__()

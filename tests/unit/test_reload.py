@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.router.config import ConfigError, KvgateConfig
-from kvgate.router.ops.reload import ConfigHolder
+from kvgate.router.core.errors import ConfigError
+from kvgate.router.settings.holder import ConfigHolder
+from kvgate.router.settings.schema import KvgateConfig
 from tests.support import wait_until_async
 
 GOOD = "replicas: [{name: a, url: 'http://127.0.0.1:9'}]\nhealth: {interval_s: 2}\n"

@@ -14,9 +14,10 @@ from kvgate.policies.base import ReplicaView, RouteRequest
 from kvgate.policies.config import PolicyConfig, TransferConfig
 from kvgate.policies.cost_model import CostModel
 from kvgate.policies.registry import POLICY_NAMES, create_policy
-from kvgate.router.config import ConfigError, KvgateConfig, parse_config
+from kvgate.router.core.errors import ConfigError
 from kvgate.router.fleet.config import ReplicaConfig
 from kvgate.router.fleet.discovery.kubernetes import pod_target
+from kvgate.router.settings.schema import KvgateConfig, parse_config
 from tests.kube_api import POD
 from tests.unit.test_discovery import decoded, kube_config
 
@@ -80,9 +81,9 @@ def views() -> list[ReplicaView]:
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_no_policy_sends_a_client_request_to_a_prefill_replica(name: str) -> None:
-    cost_model = CostModel.from_config(
-        KvgateConfig().model_or_first("m"), PolicyConfig(), TransferConfig(connector="nixl")
-    )
+    model = KvgateConfig().model_or_first("m")
+    cost_model = CostModel.from_config(model.prefill, model.kv_bytes_per_token, PolicyConfig(),
+                                       TransferConfig(connector="nixl"))
     policy = create_policy(name, PolicyConfig(), cost_model, random.Random(0))
     request = RouteRequest(request_id="r", model="m", prompt_tokens=4001, block_size=16)
     for _ in range(5):

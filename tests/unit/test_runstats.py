@@ -11,7 +11,8 @@ import pytest
 from kvgate.loadgen.bench import SettingsError, apply_settings
 from kvgate.loadgen.report import markdown_report
 from kvgate.loadgen.runstats import CLOCK_TICKS, group_cpu_seconds, parse_gateway_counters
-from kvgate.router.config import ConfigError, load_config
+from kvgate.router.core.errors import ConfigError
+from kvgate.router.settings.schema import load_config
 
 METRICS_PAGE = """\
 # HELP kvgate_decisions_total Routing decisions by action and reason.

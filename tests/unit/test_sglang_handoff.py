@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvgate.router.apis.openai import CHAT
+from kvgate.router.fleet.attempts import Upstream
 from kvgate.router.routing.handoff.sglang import (
     ROOM_MAX, Room, _succeeded, bootstrap_host, decode_leg_body, new_room, prefill_leg_body,
 )
-from kvgate.router.upstream.proxy import Upstream
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "stream": True,
         "stream_options": {"include_usage": True}}
@@ -41,7 +42,7 @@ def test_decode_leg_is_the_clients_request_with_the_room() -> None:
 
 
 def test_prefill_leg_is_read_whole() -> None:
-    leg = prefill_leg_body(BODY, ROOM)
+    leg = prefill_leg_body(CHAT, BODY, ROOM)
     assert leg["stream"] is False and "stream_options" not in leg
     assert (leg["bootstrap_host"], leg["bootstrap_port"], leg["bootstrap_room"]) == ("10.0.0.5", 8998, 12345)
     assert leg["messages"] == BODY["messages"] and leg["max_tokens"] == 9

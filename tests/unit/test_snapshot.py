@@ -9,8 +9,11 @@ from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.ingest import ApplyStatus, EventIngestor
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.match import Tier
-from kvgate.cache_index.snapshot import InvalidState, ReplicaState, StreamPoint, check_state, export_states, import_state
-from kvgate.cache_index.vllm_wire import BlockRemoved
+from kvgate.cache_index.snapshot import (
+    InvalidState, ReplicaState, StreamPoint, check_state, export_states, import_state,
+)
+from kvgate.loadgen.sim.wire import BlockRemoved
+from tests.index_inspection import tiers_of
 from tests.unit.test_ingest import BS, TOKENS, chain, frame, stored
 
 
@@ -46,7 +49,7 @@ def test_an_imported_state_credits_the_same_holdings_and_continues_the_stream() 
     assert held(index, "r") == (16, 0)
     assert held(index, "s", TOKENS[:4]) == (4, 0)
     first = block_keys(namespace_key("m"), TOKENS, BS)[0]
-    assert index.tiers_of("r", first) == [Tier.GPU, Tier.CPU]
+    assert tiers_of(index, "r", first) == [Tier.GPU, Tier.CPU]
     assert ingestor.expected_seq("r", 0) == 10 and ingestor.expected_seq("s", 1) == 1
     assert ingestor.block_size("r") == BS
     # the next frame resolves its parent and removals through the imported engine-hash map

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.router.config import ConfigError
-from kvgate.router.http.config import TenantsConfig
-from kvgate.router.http.tenants import SALT_SECRET_ENV, AuthError, TenantResolver
+from kvgate.router.core.config import TenantsConfig
+from kvgate.router.core.errors import ConfigError
+from kvgate.router.core.tenants import SALT_SECRET_ENV, AuthError, TenantResolver
 
 # vLLM 0.33's validator: non-empty, at most 128 characters, none of @ / \ NUL (we promise the stricter set below).
 VLLM_SAFE_SALT = re.compile(r"^[A-Za-z0-9_-]{1,128}$")

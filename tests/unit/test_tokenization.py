@@ -10,7 +10,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvgate.loadgen.assets import TOKENIZER_DIR
-from kvgate.router.prompts.model_tokenizer import BYTE_LEVEL_SPLIT_PATTERNS, ModelTokenizer, PromptSplitter
+from kvgate.router.prompts.model_tokenizer import ModelTokenizer
+from kvgate.router.prompts.splitter import BYTE_LEVEL_SPLIT_PATTERNS, PromptSplitter
 
 SPEC = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())
 ATOMS = [" ", "\n", "\n\n", " \n", "word", " the", "'s", "42", ".", ";\n", ")\n", "x\n", "9\n", "é", "中文", "😀",

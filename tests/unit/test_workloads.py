@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvgate.loadgen.assets import TOKENIZER_DIR
-from kvgate.loadgen.trace import TRACE_BLOCK_TOKENS, TraceError, read_trace, timestamp_tick_ms
-from kvgate.loadgen.workloads import WorkloadOptions, build_workload, working_set_tokens
+from kvgate.loadgen.workloads import build_workload
 from kvgate.loadgen.workloads.oracle import PrefixOracle
+from kvgate.loadgen.workloads.request import WorkloadOptions, working_set_tokens
+from kvgate.loadgen.workloads.trace import TRACE_BLOCK_TOKENS, TraceError, read_trace, timestamp_tick_ms
 from kvgate.loadgen.workloads.vocabulary import vocabulary_for
 from kvgate.router.prompts.model_tokenizer import ModelTokenizer
 

@@ -1,18 +1,17 @@
 """Engine discovery: replicas found from DNS or the Kubernetes API join and leave the fleet as the cluster changes.
 
-One source (:mod:`router.fleet.discovery.dns` or :mod:`router.fleet.discovery.kubernetes`, per ``discovery.kind``)
-publishes the whole set it sees; :class:`~router.fleet.discovery.sync.FleetSync` applies it through the fleet's own
-add, drain and remove.
+One source (:mod:`kvgate.router.fleet.discovery.dns` or :mod:`kvgate.router.fleet.discovery.kubernetes`, per
+``discovery.kind``) publishes the whole set it sees; :class:`~kvgate.router.fleet.discovery.sync.FleetSync` applies it
+through the fleet's own add, drain and remove.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from kvgate.router.config import KvgateConfig
-from kvgate.router.fleet.config import DiscoveryConfig
+from kvgate.router.fleet.config import DiscoveryConfig, ReplicaConfig
 from kvgate.router.fleet.discovery.sync import FleetSync
 from kvgate.router.fleet.discovery.targets import Source, Target
 from kvgate.router.fleet.state import Fleet
@@ -36,10 +35,11 @@ class Discovery:
     """Runs the policy file's discovery source against the fleet; a reload with another ``discovery`` section
     restarts the source, and the replicas it finds again stay as they are."""
 
-    def __init__(self, config: KvgateConfig, fleet: Fleet) -> None:
-        self.config = config.discovery
-        self.sync = FleetSync(fleet, config.discovery.drain_timeout_s)
-        self.sync.disown({r.name for r in config.replicas})
+    def __init__(self, config: DiscoveryConfig, replicas: Sequence[ReplicaConfig], fleet: Fleet) -> None:
+        """``replicas``: the policy file's own, which discovery leaves alone."""
+        self.config = config
+        self.sync = FleetSync(fleet, config.drain_timeout_s)
+        self.sync.disown({r.name for r in replicas})
         self._source_task: asyncio.Task[None] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
         self._restart_task: asyncio.Task[None] | None = None
@@ -57,12 +57,12 @@ class Discovery:
             await asyncio.gather(self._sweep_task, return_exceptions=True)
             self._sweep_task = None
 
-    def apply_config(self, config: KvgateConfig) -> None:
-        self.sync.disown({r.name for r in config.replicas})
-        if config.discovery == self.config:
+    def reconfigure(self, config: DiscoveryConfig, replicas: Sequence[ReplicaConfig]) -> None:
+        self.sync.disown({r.name for r in replicas})
+        if config == self.config:
             return
-        self.config = config.discovery
-        self.sync.drain_timeout_s = config.discovery.drain_timeout_s
+        self.config = config
+        self.sync.drain_timeout_s = config.drain_timeout_s
         previous = self._restart_task
         self._restart_task = asyncio.get_running_loop().create_task(self._restart(previous), name="discovery-restart")
 

@@ -18,8 +18,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvgate.router.routing.router import FleetDispatcher, Routed
-from kvgate.router.upstream.proxy import Upstream
+from kvgate.router.apis.base import Api
+from kvgate.router.fleet.attempts import Load, Upstream
+from kvgate.router.routing.records import Routed
 
 Send = Callable[[bytes, Sequence[str]], Awaitable[Upstream]]
 """Sends the client's request (these bytes) to the first of these replicas that answers, each attempt within its
@@ -33,13 +34,16 @@ class HandoffRequest:
     """A decided handoff: the client's request as parsed, and where it goes (``routed.decision``: ``source`` and
     ``replica``, ``ranked`` for retries)."""
 
-    path: str
+    api: Api
     body: dict[str, Any]
     raw: bytes
     headers: dict[str, str]
     """The headers every leg carries (the client's ``X-Request-Id`` among them)."""
     routed: Routed
-    dispatcher: FleetDispatcher
+
+    def load_on(self, replica: str) -> Load:
+        """What a leg of this request puts on ``replica``: its uncached prompt tokens there."""
+        return Load({replica: self.routed.prefill_tokens(replica)}, self.routed.request.tenant)
 
     @property
     def retries(self) -> list[str]:

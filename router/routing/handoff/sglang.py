@@ -12,7 +12,7 @@ the client waiting for SGLang's own bound on the wait (``SGLANG_DISAGGREGATION_W
 the decode leg's first-byte deadline bounds it here). A decode leg that fails before its first byte is a local
 prefill too: on the decode replica itself when it answered (its 500 ``KVTransferError``, a stream opening with an
 error event: the server is up, only the handoff failed), else on the next ranked replica, as every handoff's is
-(:mod:`kvgate.router.routing.handoff`). See docs/disaggregation.md.
+(:mod:`kvgate.router.routing.handoff.base`). See docs/disaggregation.md.
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from kvgate.router.ops.reload import ConfigHolder
-from kvgate.router.routing.handoff import HandoffRequest, Send
+from kvgate.policies.config import TransferConfig
+from kvgate.router.apis.base import Api
+from kvgate.router.fleet.attempts import Attempts, Upstream
+from kvgate.router.routing.handoff.base import HandoffRequest, Send
 from kvgate.router.routing.transfers import TransferRunner, kind_of
-from kvgate.router.upstream.proxy import AttemptFailed, Forward, Proxy, Upstream
+from kvgate.router.upstream.proxy import AttemptFailed, Forward
 
-log = logging.getLogger("kvgate.app")
+log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
 
@@ -73,27 +75,28 @@ def decode_leg_body(body: dict[str, Any], room: Room) -> dict[str, Any]:
     return {**body, **room.fields()}
 
 
-def prefill_leg_body(body: dict[str, Any], room: Room) -> dict[str, Any]:
+def prefill_leg_body(api: Api, body: dict[str, Any], room: Room) -> dict[str, Any]:
     """The prefill server's copy: the room's fields, not streamed (its answer is dropped, so it is read whole)."""
-    leg = {k: v for k, v in body.items() if k != "stream_options"}
-    leg.update(room.fields(), stream=False)
-    return leg
+    return {**api.not_streamed(body), **room.fields()}
 
 
 class SglangHandoff:
-    def __init__(self, proxy: Proxy, transfers: TransferRunner, holder: ConfigHolder) -> None:
-        self.proxy = proxy
+    def __init__(self, attempts: Attempts, transfers: TransferRunner, config: TransferConfig) -> None:
+        self.attempts = attempts
         self.transfers = transfers
-        self.holder = holder
+        self.config = config
         self._draining: set[asyncio.Future[Upstream]] = set()
         """Prefill legs still being read after their decode leg answered."""
+
+    def reconfigure(self, config: TransferConfig) -> None:
+        self.config = config
 
     async def run(self, request: HandoffRequest, send: Send) -> Upstream:
         routed = request.routed
         decision = routed.decision
         assert decision.source is not None
         local = [decision.replica, *request.retries]
-        prefill = request.dispatcher.fleet.replicas.get(decision.source)
+        prefill = self.attempts.fleet.replicas.get(decision.source)
         port = prefill.config.bootstrap_port if prefill is not None else None
         if prefill is None or port is None:
             # A warm transfer's source that is no SGLang prefill server: SGLang moves KV only out of those.
@@ -103,10 +106,10 @@ class SglangHandoff:
         metrics = self.transfers.metrics
         metrics.transfers[kind, "started"].inc()
         began = time.monotonic()
-        timeout_s = self.holder.current.transfer.first_leg_timeout_s
-        prefill_fwd = Forward(request.path, _encode(prefill_leg_body(request.body, room)), request.headers, False,
-                              [decision.source], 1, lambda _: timeout_s)
-        prefill_leg = asyncio.ensure_future(_within(self.proxy.forward(prefill_fwd, request.dispatcher), timeout_s))
+        timeout_s = self.config.first_leg_timeout_s
+        prefill_fwd = Forward(request.api.path, _encode(prefill_leg_body(request.api, request.body, room)),
+                              request.headers, False, [decision.source], 1, {decision.source: timeout_s})
+        prefill_leg = asyncio.ensure_future(_within(self.attempts.forward(prefill_fwd, request.load_on(decision.source)), timeout_s))
         decode_leg = asyncio.ensure_future(send(_encode(decode_leg_body(request.body, room)), [decision.replica]))
         try:
             done, _ = await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)

@@ -10,11 +10,12 @@ import logging
 
 import msgspec
 
-from kvgate.router.routing.handoff import HandoffRequest, Send
+from kvgate.router.fleet.attempts import Upstream
+from kvgate.router.routing.handoff.base import HandoffRequest, Send
 from kvgate.router.routing.transfers import TransferRunner, kind_of
-from kvgate.router.upstream.proxy import AttemptFailed, Upstream
+from kvgate.router.upstream.proxy import AttemptFailed
 
-log = logging.getLogger("kvgate.app")
+log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
 
@@ -33,7 +34,7 @@ class VllmHandoff:
         decision = routed.decision
         assert decision.source is not None
         params = await self.transfers.first_leg(
-            request.path, request.body, request.headers, decision.source, request.dispatcher, kind_of(routed)
+            request.api, request.body, request.headers, decision.source, request.load_on(decision.source), kind_of(routed)
         )
         if params is None:
             log.warning("prefill leg on %s failed: prefilling on %s", decision.source, decision.replica)

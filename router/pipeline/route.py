@@ -1,0 +1,133 @@
+"""The route stage: the prompt's block keys (each block size the candidates use), the reusable blocks looked up in the
+prefix index, one view per candidate replica, the policy's decision, and the attempts' plan: the ranked replicas an
+attempt may go to and each one's first-byte deadline, handed to the proxy as data.
+
+Every cache on this path is kept per namespace (the request's cache salt, which is per tenant): the tokenizer's
+pieces, sessions, warm prompts and the index itself, so no tenant's request is faster, or routed differently,
+because of another tenant's. Per request this is linear in the prompt (keys, lookup) plus linear in the fleet (views,
+decision), never their product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.match import PrefixMatch, reusable_blocks
+from kvgate.policies.base import NoHealthyReplica, RouteRequest
+from kvgate.policies.least_loaded import LeastLoadedPolicy
+from kvgate.router.core.metrics import GatewayMetrics
+from kvgate.router.fleet.block_sizes import BlockSizes
+from kvgate.router.pipeline.admit import Admission
+from kvgate.router.pipeline.errors import routing_errors
+from kvgate.router.routing.catalog import ModelCatalog
+from kvgate.router.routing.records import Prompt, Routed
+from kvgate.router.routing.sessions import SessionMemory
+from kvgate.router.routing.views import ReplicaViews
+from kvgate.router.upstream.config import ProxyConfig
+from kvgate.router.upstream.proxy import first_byte_deadline_s
+
+
+class RouteStage:
+    def __init__(
+        self, catalog: ModelCatalog, index: PrefixIndex, block_sizes: BlockSizes, views: ReplicaViews,
+        sessions: SessionMemory, metrics: GatewayMetrics, proxy: ProxyConfig, rng: random.Random,
+    ) -> None:
+        self.catalog = catalog
+        self.index = index
+        self.block_sizes = block_sizes
+        """Each replica's block size (learned from its engine; the policy file's is the default)."""
+        self.views = views
+        self.sessions = sessions
+        self.metrics = metrics
+        self.proxy = proxy
+        self._least_loaded = LeastLoadedPolicy(rng)
+
+    def reconfigure(self, proxy: ProxyConfig) -> None:
+        self.proxy = proxy
+
+    def route(self, prompt: Prompt, admission: Admission, stream: bool, *, explain: bool = False) -> Routed:
+        """Key the prompt's blocks, look them up in the index and let the policy decide; with ``explain``, the policy
+        also fills in the numbers behind its decision (and nothing is counted: nothing is sent). ``route_ms`` is this
+        stage's time plus the tokenizer's CPU time."""
+        with routing_errors():
+            return self._route(prompt, admission, stream, explain)
+
+    def _route(self, prompt: Prompt, admission: Admission, stream: bool, explain: bool) -> Routed:
+        started = time.perf_counter()
+        names, routing, tokenized, cache_salt = prompt.candidates, prompt.routing, prompt.tokenized, prompt.cache_salt
+        token_ids = tokenized.token_ids
+        model_config = self.catalog.config_of(prompt.base_model)
+        block_sizes = {name: self.block_sizes.of(name, model_config) for name in names}
+        namespace = namespace_key(prompt.base_model, routing.config.weight_version, cache_salt, prompt.lora)
+        keys_by_block_size: dict[int, list[int]] = {}
+        matches: dict[str, PrefixMatch] = {}
+        lookup_ms = 0.0
+        for block_size in set(block_sizes.values()):
+            keys = keys_by_block_size[block_size] = block_keys(namespace, token_ids, block_size)
+            # The engine always computes the prompt's last token, so a prompt ending on a block boundary reuses
+            # one block less than it holds: only the reusable blocks are looked up and credited.
+            reusable = keys[: reusable_blocks(len(token_ids), block_size)]
+            lookup_started = time.perf_counter()
+            found = self.index.lookup(reusable, block_size) if reusable else {}
+            lookup_ms += (time.perf_counter() - lookup_started) * 1000.0
+            for name, size in block_sizes.items():  # a replica's match counts only under its own block size
+                if size == block_size and name in found:
+                    matches[name] = self.views.surviving_match(name, reusable, found[name], block_size)
+        session_id, tenant = admission.client.session_id, admission.tenant
+        last = self.sessions.last_replica(tenant, cache_salt, session_id)
+        views = {
+            name: self.views.view(name, matches.get(name) or PrefixMatch(), routing, session_match=name == last)
+            for name in names
+        }
+        request = RouteRequest(
+            request_id=admission.request_id,
+            model=prompt.model,
+            prompt_tokens=len(token_ids),
+            block_size=block_sizes[names[0]],
+            approximate=tokenized.approximate,
+            session_id=session_id,
+            tenant=tenant,
+            max_tokens=prompt.max_tokens,
+        )
+        decision = routing.policy.decide(request, list(views.values()), explain=explain)
+        if block_sizes.get(decision.replica, request.block_size) != request.block_size:
+            request = dataclasses.replace(request, block_size=block_sizes[decision.replica])
+        route_ms = (time.perf_counter() - started) * 1000.0 + tokenized.cpu_ms
+        routed = Routed(request, decision, views, keys_by_block_size, block_sizes, tokenized, routing, route_ms,
+                        cache_salt, lookup_ms)
+        if not explain:
+            routed.deadlines_s = self._attempt_plan(routed, stream)
+            m = self.metrics
+            m.decisions.labels(decision.action, decision.reason).inc()
+            m.route_seconds.observe(route_ms / 1000.0)
+            m.lookup_seconds.observe(lookup_ms / 1000.0)
+        return routed
+
+    def _attempt_plan(self, routed: Routed, stream: bool) -> dict[str, float]:
+        """The replicas attempts may go to (the ranked ones, as many as ``proxy.max_attempts`` allows), each with its
+        first-byte deadline (:func:`~kvgate.router.upstream.proxy.first_byte_deadline_s`)."""
+        config = self.proxy
+        decision = routed.decision
+        ranked = decision.ranked or [decision.replica]
+        max_tokens = routed.request.max_tokens
+        return {name: first_byte_deadline_s(config, routed.predicted_ttft_ms(name), stream, max_tokens)
+                for name in ranked[: config.max_attempts]}
+
+    def route_least_loaded(self, model: str, admission: Admission) -> Routed:
+        """Requests with no prompt prefix to match (embeddings): the least-loaded replica of those that may serve the
+        model; no deadline but the cap."""
+        with routing_errors():
+            started = time.perf_counter()
+            names = self.catalog.candidates(model)
+            if not self.catalog.takes_requests(names):
+                raise NoHealthyReplica(model)
+            views = {name: self.catalog.fleet.view(name, PrefixMatch()) for name in names}
+            request = RouteRequest(request_id=admission.request_id, model=model, prompt_tokens=0, block_size=1,
+                                   tenant=admission.tenant)
+            decision = self._least_loaded.decide(request, list(views.values()))
+            route_ms = (time.perf_counter() - started) * 1000.0
+        return Routed(request, decision, views, {}, {}, None, None, route_ms)

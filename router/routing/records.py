@@ -1,0 +1,80 @@
+"""What the tokenize and route stages hand on: a tokenized :class:`Prompt`, then a decided :class:`Routed` request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgate.policies.base import Decision, ReplicaView, RouteRequest
+from kvgate.router.prompts.tokenizer import TokenizedPrompt
+from kvgate.router.routing.model_state import ModelRouting
+
+
+@dataclass(slots=True)
+class Prompt:
+    """A request's prompt, tokenized and ready to route (the tokenize stage's output)."""
+
+    model: str
+    base_model: str
+    lora: str | None
+    candidates: list[str]
+    """The replicas that may serve the model."""
+    routing: ModelRouting
+    tokenized: TokenizedPrompt
+    cache_salt: str | None
+    max_tokens: int | None
+
+
+@dataclass(slots=True)
+class Routed:
+    """A decided request: everything forwarding, accounting and explain need afterwards. A request routed without a
+    prompt (embeddings: least loaded) has no tokens, views, keys or model state."""
+
+    request: RouteRequest
+    decision: Decision
+    views: dict[str, ReplicaView]
+    keys_by_block_size: dict[int, list[int]]
+    """The prompt's block keys (every full block) for each block size the candidate replicas use."""
+    block_sizes: dict[str, int]
+    """Each candidate replica's block size."""
+    tokenized: TokenizedPrompt | None
+    routing: ModelRouting | None
+    route_ms: float
+    cache_salt: str | None = None
+    lookup_ms: float = 0.0
+    """The prefix-index lookup alone (part of ``route_ms``)."""
+    deadlines_s: dict[str, float] = field(default_factory=dict)
+    """Each replica an attempt may be sent to, in ranked order, and its first-byte deadline (the proxy's plan)."""
+
+    def keys_for(self, replica: str) -> list[int]:
+        """The prompt's block keys as ``replica`` hashes them (its block size)."""
+        size = self.block_sizes.get(replica, self.request.block_size)
+        return self.keys_by_block_size.get(size, [])
+
+    @property
+    def keys(self) -> list[int]:
+        """The prompt's block keys as the chosen replica hashes them."""
+        return self.keys_for(self.decision.replica)
+
+    def matched_tokens(self, replica: str) -> int:
+        view = self.views.get(replica)
+        return min(view.match.total, self.request.prompt_tokens) if view is not None else 0
+
+    def prefill_tokens(self, replica: str) -> int:
+        """Uncached prompt tokens the replica must compute (the load a dispatch adds)."""
+        return max(0, self.request.prompt_tokens - self.matched_tokens(replica))
+
+    def queue_delay_ms(self, replica: str) -> float:
+        view = self.views.get(replica)
+        return self.routing.cost_model.queue_delay_ms(view) if view is not None and self.routing is not None else 0.0
+
+    def predicted_ttft_ms(self, replica: str) -> float | None:
+        """The cost model's TTFT for this request on ``replica`` (queue delay included), as the fleet looked when
+        the request was routed: the policy's own when it priced the replica; None for a replica that was not a
+        candidate, or a request routed without a prompt."""
+        priced = self.decision.ttft_ms
+        if priced is not None and replica in priced:
+            return priced[replica]
+        view = self.views.get(replica)
+        if view is None or self.routing is None:
+            return None
+        return self.routing.cost_model.estimate(self.request, view).ttft_ms
