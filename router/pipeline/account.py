@@ -34,7 +34,7 @@ class Accounting:
         """Refused before routing (auth, limits, a bad body or prompt, no replica)."""
         self.metrics.rejections.labels(err.code or str(err.status)).inc()
         self.request_log.request(
-            id=admission.request_id, tenant=admission.tenant, replica=None, decision=None, status=err.status,
+            id=admission.request_id, tenant=admission.tenant, replica=None, decision=None, status=str(err.status),
             error=err.code, e2e_ms=_elapsed_ms(admission), attempts=0,
         )
 
@@ -52,7 +52,7 @@ class Accounting:
         self.metrics.requests.labels("", str(status), routed.decision.reason).inc()
         self.request_log.request(
             id=admission.request_id, tenant=routed.request.tenant, replica=None, decision=routed.decision.reason,
-            action=routed.decision.action, prompt_tokens=routed.request.prompt_tokens, status=status,
+            action=routed.decision.action, prompt_tokens=routed.request.prompt_tokens, status=str(status),
             error=failed.cause, e2e_ms=_elapsed_ms(admission), attempts=attempts,
         )
         return response

@@ -152,6 +152,7 @@ def test_every_proxied_endpoint_writes_exactly_one_request_log_line(gw: Gateway)
     for request_id in sent:
         lines = request_log_lines(gw, request_id)
         assert len(lines) == 1, (request_id, lines)
+        assert lines[0]["status"] == statuses[request_id], request_id  # one type, whatever the outcome
 
 
 def test_requests_without_an_id_get_distinct_ones(client: openai.OpenAI) -> None:
