@@ -145,12 +145,19 @@ def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tu
             tmp / "sglang.log",
         ).start()
         targets.append(Target("sglang-gateway", f"http://127.0.0.1:{sg_port}", sglang))
-    for t in targets[1:]:
-        assert t.process is not None
-        if t.name == "bare-proxy":  # it serves POSTs only: any answer means it is up
-            t.process.wait_http(t.url + "/v1/models", 60, ready=lambda status: True)
-        else:
-            t.process.wait_http(t.url + "/v1/models" if t.name != "sglang-gateway" else t.url + "/health", 60)
+    try:
+        for t in targets[1:]:
+            assert t.process is not None
+            if t.name == "bare-proxy":  # it serves POSTs only: any answer means it is up
+                t.process.wait_http(t.url + "/v1/models", 60, ready=lambda status: True)
+            else:
+                t.process.wait_http(t.url + "/v1/models" if t.name != "sglang-gateway" else t.url + "/health", 60)
+    except BaseException:  # a target that never came up: stop every process started, not only the ones measured
+        for t in targets[1:]:
+            assert t.process is not None
+            t.process.stop()
+        sim.stop()
+        raise
     return sim, targets
 
 
