@@ -544,9 +544,11 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    title = f"kvgate bench: {args.workload}, {args.replicas} replicas, time scale {args.time_scale}"
+    api = f", {args.api} API" if args.api != "chat" else ""
+    title = f"kvgate bench: {args.workload}, {args.replicas} replicas, time scale {args.time_scale}{api}"
     meta = {
-        "workload": args.workload, "seed": args.seed, "requests": len(requests), "replicas": args.replicas,
+        "workload": args.workload, "api": args.api, "seed": args.seed, "requests": len(requests),
+        "replicas": args.replicas,
         "kv_blocks": args.kv_blocks, "working_set_tokens": working_set, "time_scale": args.time_scale, "speed": args.speed, "policies": runs,
         "gateways": args.gateways, "hints": args.hints, "send_to": args.send_to,
         **({"targets": repeats[0].targets} if len(repeats) == 1 else {"repeats": len(repeats)}),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from kvgate.loadgen.apis import APIS
 from kvgate.loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
 from kvgate.loadgen.plots import write_plots
 from kvgate.loadgen.report import print_table, schedule_warning, summarize, write_results
@@ -73,6 +74,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--max-input-tokens", type=int, help="trace: skip requests with longer prompts")
     r = parser.add_argument_group("run")
     r.add_argument("--model", default=DEFAULT_MODEL, help=f"model name sent in requests (default {DEFAULT_MODEL})")
+    r.add_argument("--api", choices=APIS, default="chat",
+                   help="the API chat requests go through: chat (/v1/chat/completions), messages (Anthropic's "
+                        "/v1/messages, as Claude Code sends it) or responses (OpenAI's /v1/responses); completion "
+                        "requests always use /v1/completions (default chat)")
     r.add_argument("--concurrency", type=int, default=256, help="cap on requests in flight (default 256)")
     r.add_argument("--duration", type=float, help="stop sending new requests after this many seconds")
     r.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
@@ -114,7 +119,8 @@ def load_workload(args: argparse.Namespace, console: Console) -> list[Request] |
 
 
 def run_config(args: argparse.Namespace, target: str, spread: tuple[str, ...] = ()) -> RunConfig:
-    return RunConfig(target, args.model, args.concurrency, args.duration, args.timeout, not args.no_progress, spread)
+    return RunConfig(target, args.model, args.concurrency, args.duration, args.timeout, not args.no_progress, spread,
+                     args.api)
 
 
 def drive(requests: list[Request], config: RunConfig) -> list[RequestRecord]:
@@ -135,13 +141,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     records = drive(requests, run_config(args, args.target))
     summaries = {args.name: summarize(records)}
-    title = f"kvgate loadgen: {args.workload} → {args.target}"
+    api = f" ({args.api} API)" if args.api != "chat" else ""
+    title = f"kvgate loadgen: {args.workload} → {args.target}{api}"
     print_table(title, summaries, {}, console)
     warning = schedule_warning(summaries[args.name])
     if warning:
         console.print(f"[yellow]warning: {warning}")
     if args.out:
-        meta = {"workload": args.workload, "target": args.target, "seed": args.seed,
+        meta = {"workload": args.workload, "target": args.target, "api": args.api, "seed": args.seed,
                 "working_set_tokens": working_set_tokens(requests), "argv": " ".join(sys.argv[1:])}
         write_results(args.out, meta, {args.name: records}, summaries, {}, title)
         plots = write_plots(args.out, {args.name: records}, summaries, {})

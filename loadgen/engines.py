@@ -199,11 +199,12 @@ class VllmReplica:
 def make_replicas(
     count: int, port: int, zmq_port: int, log_dir: Path, *, python: Path, model: Path,
     served_name: str = MODEL_NAME, extra_args: list[str] | None = None, own_group: bool = True,
+    env: dict[str, str] | None = None,
 ) -> list[VllmReplica]:
     """``count`` replicas named vllm-0.. on HTTP ports port+i, events on zmq_port+2i and replay on zmq_port+2i+1."""
     return [
         VllmReplica(f"vllm-{i}", python, model, port + i, zmq_port + 2 * i, zmq_port + 2 * i + 1,
-                    log_dir / f"vllm-{i}.log", served_name, list(extra_args or []), own_group)
+                    log_dir / f"vllm-{i}.log", served_name, list(extra_args or []), own_group, dict(env or {}))
         for i in range(count)
     ]
 

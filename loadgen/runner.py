@@ -2,8 +2,9 @@
 
 Open loop: each request is sent at its arrival time whether or not earlier ones finished (a chat session's later
 turns wait for the previous turn, plus think time); a concurrency cap bounds how many are in flight, and a request
-that waits for a slot is recorded with its arrival and its actual start. Every request streams with
-``stream_options.include_usage`` so the engine's own prompt/cached token counts come back with the last chunk.
+that waits for a slot is recorded with its arrival and its actual start. Every request streams, through the API
+family the run names (``loadgen/apis.py``: chat completions, Anthropic Messages or OpenAI Responses), and the
+engine's own prompt/cached token counts come back in the stream's usage.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any
 import aiohttp
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvgate.loadgen.apis import Api, Wire, wire_for
 from kvgate.loadgen.workloads.request import Request
 
 REPLICA_HEADER = "x-kvgate-replica"
 DECISION_HEADER = "x-kvgate-decision"
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class RequestRecord:
 
     index: int
     endpoint: str
+    """The workload's endpoint (chat or completions); the run's ``api`` says which front door chat requests took."""
     session_id: str | None
     arrival_s: float
     start_s: float
@@ -44,8 +46,9 @@ class RequestRecord:
     replica: str | None = None
     decision: str | None = None
     upstream_id: str | None = None
-    """The request id the engine answered under (the stream's ``id`` less its ``chatcmpl-``/``cmpl-`` prefix): a
-    router that sets its own X-Request-Id upstream (vllm-router does) is still matched to the engine's records."""
+    """The request id the engine answered under (the stream's ``id`` less its ``chatcmpl-``/``cmpl-`` prefix; a
+    Responses answer's id is its own, so none there): a router that sets its own X-Request-Id upstream
+    (vllm-router does) is still matched to the engine's records."""
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     output_tokens: int = 0
@@ -90,6 +93,8 @@ class RunConfig:
     spread: tuple[str, ...] = ()
     """More base URLs serving the same fleet (gateway replicas): each request goes to one of ``target`` and these,
     chosen at random (seeded), as a Service spreads requests over its pods."""
+    api: Api = "chat"
+    """The API family chat requests go through (completion requests always use ``/v1/completions``)."""
 
 
 async def run_workload(requests: list[Request], config: RunConfig) -> tuple[list[RequestRecord], float]:
@@ -145,12 +150,13 @@ class _Runner:
 
     async def _one(self, request: Request, at_s: float) -> None:
         await asyncio.sleep(max(0.0, at_s - self.now()))
+        wire = wire_for(request, self.config.api)
         async with self.slots:
             record = RequestRecord(
                 request.index, request.endpoint, request.session_id, at_s, self.now(),
                 request.prompt_tokens, request.oracle_hit_tokens,
             )
-            await self._send(request, record)
+            await self._send(request, record, wire)
             record.end_s = self.now()
         self.records.append(record)
         self.errors += not record.ok
@@ -158,19 +164,10 @@ class _Runner:
         for follower in self.followers.get(request.index, []):
             self._spawn(follower, record.end_s + follower.arrival_s)
 
-    async def _send(self, request: Request, record: RequestRecord) -> None:
-        body = {
-            **request.body,
-            "model": self.config.model,
-            "max_tokens": request.output_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        headers = {"X-Request-Id": record.request_id}
-        if request.session_id:
-            headers["X-Session-ID"] = request.session_id
-        url = self._targets[self._pick.randrange(len(self._targets))] + PATHS[request.endpoint]
+    async def _send(self, request: Request, record: RequestRecord, wire: Wire) -> None:
+        body = wire.body(request, self.config.model)
+        headers = {"X-Request-Id": record.request_id, **wire.headers(request)}
+        url = self._targets[self._pick.randrange(len(self._targets))] + wire.path
         try:
             async with self.session.post(url, json=body, headers=headers) as resp:
                 record.status = resp.status
@@ -179,47 +176,41 @@ class _Runner:
                 if resp.status != 200:
                     record.error = (await resp.text())[:500] or resp.reason
                     return
-                await self._read_stream(resp, record)
+                await self._read_stream(resp, record, wire)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # ValueError: an over-long SSE line
             record.error = f"{type(e).__name__}: {e}"
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, record: RequestRecord) -> None:
+    async def _read_stream(self, resp: aiohttp.ClientResponse, record: RequestRecord, wire: Wire) -> None:
+        """TTFT is the first event carrying generated text; each later one adds an inter-token gap."""
         last_token_s: float | None = None
         async for raw in resp.content:
             line = raw.strip()
             if not line.startswith(b"data:"):
-                continue
+                continue  # blank lines, and the ``event:`` lines that name each Messages and Responses event
             data = line[5:].strip()
             if data == b"[DONE]":
                 return
             try:
-                chunk = json.loads(data)
+                event = wire.read(json.loads(data))
             except ValueError:
                 record.error = f"malformed SSE data: {data[:200]!r}"
                 return
-            if "error" in chunk:
-                record.error = json.dumps(chunk["error"])[:500]
+            if event.error is not None:
+                record.error = event.error
                 return
-            if record.upstream_id is None and isinstance(chunk.get("id"), str):
-                record.upstream_id = chunk["id"].removeprefix("chatcmpl-").removeprefix("cmpl-")
-            if _has_text(chunk):
+            if record.upstream_id is None and event.upstream_id is not None:
+                record.upstream_id = event.upstream_id
+            if event.text:
                 now = self.now()
                 if last_token_s is None:
                     record.first_token_s = now
                 else:
                     record.itl_s.append(now - last_token_s)
                 last_token_s = now
-            usage = chunk.get("usage")
-            if usage:
-                record.prompt_tokens = usage.get("prompt_tokens")
-                record.output_tokens = usage.get("completion_tokens") or 0
-                details = usage.get("prompt_tokens_details") or {}
-                record.cached_tokens = details.get("cached_tokens") or 0
-        record.error = "stream ended without [DONE]"
-
-
-def _has_text(chunk: dict[str, Any]) -> bool:
-    for choice in chunk.get("choices") or []:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+            if event.usage is not None:
+                record.prompt_tokens = event.usage.prompt_tokens
+                record.output_tokens = event.usage.output_tokens
+                record.cached_tokens = event.usage.cached_tokens
+            if event.done:
+                return
+        record.error = f"stream ended without {wire.last_event}"

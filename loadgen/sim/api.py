@@ -1,15 +1,17 @@
-"""One replica's HTTP surface: vLLM's OpenAI-compatible API plus the sim-only /sim/* endpoints.
+"""One replica's HTTP surface: vLLM's OpenAI-compatible API, its Anthropic Messages and OpenAI Responses APIs, plus
+the sim-only /sim/* endpoints.
 
-Built on aiohttp's low-level server (one handler, a dict of routes) so a single process can serve a whole fleet at
-thousands of requests per second. Bodies, SSE framing, error bodies and status codes follow vLLM 0.33. A client
-that goes away aborts its request at once (``handler_cancellation``); a replica fault cuts the connection.
+Built on aiohttp's low-level server (one handler, a table of routes) so a single process can serve a whole fleet at
+thousands of requests per second. Bodies, SSE framing, error bodies and status codes follow vLLM 0.33 for the
+OpenAI endpoints and 0.32 for Messages and Responses (``anthropic.py``, ``responses.py``). Every API's request
+becomes one generation here, run the same way (queueing, prefix cache, KV events, faults, /sim/requests), and its
+API's :class:`loadgen.sim.answers.Answer` writes the answer. A client that goes away aborts its request at once
+(``handler_cancellation``); a replica fault cuts the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -17,15 +19,19 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from . import anthropic, responses
+from .answers import SSE_HEADERS, Answer, ChatAnswer, CompletionAnswer
 from .block_hash import block_chain
 from .bootstrap import BootstrapFields, ReplicaBootstrap, parse_fields
+from .checks import DEFAULT_MAX_TOKENS, check_cache_salt, check_model
+from .conversation import Conversation, prompt_ids, tool_dicts
 from .engine import RemoteSource, SimRequest, State
 from .errors import EngineError
+from .ids import random_id
 from .metrics import CONTENT_TYPE, render
-from .replica import SimReplica
-from .tokenizer import ChatTemplateError
+from .replica import SimReplica, request_headers
+from .routes import Route, match
 
-Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 AfterAnswer = Callable[[], Awaitable[None]]
 ApplyFault = Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], AfterAnswer | None]]]
 """``/sim/fault``'s work (``loadgen.sim.faults.apply`` for this replica): a fault's body in; the answer out and, when
@@ -34,9 +40,6 @@ the fault must wait until the answer is sent, what to run then."""
 JSON = "application/json"
 MAX_BODY_BYTES = 256 * 1024 * 1024
 """Long-context prompts sent as token-id lists run to megabytes; uvicorn (vLLM) sets no limit of its own."""
-DEFAULT_MAX_TOKENS = 16
-CACHE_SALT_MAX_LEN = 128
-CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
@@ -52,7 +55,8 @@ class ReplicaGone(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    """A validated generation request, common to both OpenAI endpoints."""
+    """A validated generation request, common to every API (each hands its request's fields over in the chat
+    completions request's names, as vLLM's Messages handler builds a chat request)."""
 
     endpoint: str
     prompt_ids: list[int]
@@ -84,26 +88,35 @@ class ReplicaApi:
         self.registry = registry
         self.stats = stats
         self.apply_fault = apply_fault
-        self.routes: dict[tuple[str, str], Handler] = {
-            ("POST", "/v1/completions"): self.completions,
-            ("POST", "/v1/chat/completions"): self.chat_completions,
-            ("GET", "/v1/models"): self.models,
-            ("POST", "/tokenize"): self.tokenize,
-            ("GET", "/health"): self.health,
-            ("GET", "/metrics"): self.metrics,
-            ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
-            ("GET", "/sim/requests"): self.sim_requests,
-            ("GET", "/sim/stats"): self.sim_stats,
-            ("POST", "/sim/fault"): self.sim_fault,
-        }
+        p = replica.params
+        self.messages_api = anthropic.MessagesApi(replica.model, p.max_model_len, p.block_size)
+        self.responses_api = responses.ResponsesApi(replica.model, p.max_model_len, p.block_size, p.responses_store)
+        self.routes = [
+            Route("POST", "/v1/completions", self.completions),
+            Route("POST", "/v1/chat/completions", self.chat_completions),
+            Route("POST", "/v1/messages", self.messages),
+            Route("POST", "/v1/messages/count_tokens", self.count_tokens),
+            Route("POST", "/v1/responses", self.create_response),
+            Route("GET", "/v1/responses/{response_id}", self.get_response),
+            Route("POST", "/v1/responses/{response_id}/cancel", self.cancel_response),
+            Route("GET", "/v1/models", self.models),
+            Route("POST", "/tokenize", self.tokenize),
+            Route("GET", "/health", self.health),
+            Route("GET", "/metrics", self.metrics),
+            Route("POST", "/reset_prefix_cache", self.reset_prefix_cache),
+            Route("GET", "/sim/requests", self.sim_requests),
+            Route("GET", "/sim/stats", self.sim_stats),
+            Route("POST", "/sim/fault", self.sim_fault),
+        ]
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        route = self.routes.get((request.method, request.path))
-        if route is None:
-            known = any(path == request.path for _, path in self.routes)
-            return json_response({"detail": "Method Not Allowed" if known else "Not Found"}, 405 if known else 404)
+        found = match(self.routes, request.method, request.path)
+        if found.handler is None:
+            assert found.refusal is not None
+            body, status, headers = found.refusal
+            return json_response(body, status, headers)
         try:
-            return await route(request)
+            return await found.handler(request, *found.params)
         except EngineError as err:
             self.replica.record_error(request, err)
             return json_response(err.body(), err.status, {"X-Request-Id": _request_id(request)})
@@ -124,16 +137,54 @@ class ReplicaApi:
     async def completions(self, request: web.BaseRequest) -> web.StreamResponse:
         await self._check_poison(request)
         body = await _json_body(request)
-        self._check_model(body)
+        check_model(body, self.replica.params.model)
         gen = self._generation(request, body, "/v1/completions", self._completion_prompt(body))
-        return await self._serve(request, gen, chat=False)
+        return await self._serve(request, gen, CompletionAnswer(gen.request_id, self.replica.model, gen.include_usage))
 
     async def chat_completions(self, request: web.BaseRequest) -> web.StreamResponse:
         await self._check_poison(request)
         body = await _json_body(request)
-        self._check_model(body)
+        check_model(body, self.replica.params.model)
         gen = self._generation(request, body, "/v1/chat/completions", self._chat_prompt(body))
-        return await self._serve(request, gen, chat=True)
+        return await self._serve(request, gen, ChatAnswer(gen.request_id, self.replica.model, gen.include_usage))
+
+    # --- Anthropic Messages --------------------------------------------------------------------------------------
+    async def messages(self, request: web.BaseRequest) -> web.StreamResponse:
+        """A body the request model refuses is answered OpenAI-shaped; everything after it, Anthropic-shaped."""
+        body = await _json_body(request)
+        anthropic.check_request(body)
+        try:
+            await self._check_poison(request)
+            ids = self.messages_api.prompt(body)
+            options = self.messages_api.generation_options(body, len(ids))
+            gen = self._generation(request, options, "/v1/messages", ids)
+        except EngineError as err:
+            raise anthropic.AnthropicError.of(err) from None
+        return await self._serve(request, gen, self.messages_api.answer(gen.request_id))
+
+    async def count_tokens(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await _json_body(request)
+        anthropic.check_request(body, count_tokens=True)
+        try:
+            ids = self.messages_api.prompt(body, count_tokens=True)
+        except EngineError as err:
+            raise anthropic.AnthropicError.of(err) from None
+        return json_response(anthropic.count_tokens_body(len(ids)))
+
+    # --- OpenAI Responses ----------------------------------------------------------------------------------------
+    async def create_response(self, request: web.BaseRequest) -> web.StreamResponse:
+        body = await _json_body(request)
+        responses.check_request(body)
+        await self._check_poison(request)
+        turn = self.responses_api.turn(body)
+        gen = self._generation(request, turn.options, "/v1/responses", turn.prompt_ids)
+        return await self._serve(request, gen, self.responses_api.answer(body, turn))
+
+    async def get_response(self, request: web.BaseRequest, response_id: str) -> web.StreamResponse:
+        return json_response(self.responses_api.get(response_id))
+
+    async def cancel_response(self, request: web.BaseRequest, response_id: str) -> web.StreamResponse:
+        self.responses_api.cancel(response_id)  # a 404 or a 400: the sim runs no background response to cancel
 
     async def models(self, request: web.BaseRequest) -> web.StreamResponse:
         p = self.replica.params
@@ -152,7 +203,7 @@ class ReplicaApi:
 
     async def tokenize(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await _json_body(request)
-        self._check_model(body, required=False)
+        check_model(body, self.replica.params.model, required=False)
         if "messages" in body:
             ids = self._chat_prompt(body)
         elif "prompt" in body:
@@ -205,17 +256,6 @@ class ReplicaApi:
         return response
 
     # --- generation ----------------------------------------------------------------------------------------------
-    def _check_model(self, body: dict[str, Any], required: bool = True) -> None:
-        model = body.get("model")
-        if model is None:
-            if required:
-                raise EngineError("model is required", "model")
-            return
-        if not isinstance(model, str):
-            raise EngineError("model must be a string", "model")
-        if model != self.replica.params.model:
-            raise EngineError(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
-
     def _completion_prompt(self, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -237,28 +277,28 @@ class ReplicaApi:
     def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
         """The chat prompt's ids as vLLM builds them: the template (the model's, or the request's own
         ``chat_template``) rendered with ``add_generation_prompt``, ``continue_final_message``, ``tools``,
-        ``documents`` and ``chat_template_kwargs``, then encoded with ``add_special_tokens`` (default false)."""
+        ``documents``, ``reasoning_effort`` and ``chat_template_kwargs``, then encoded with ``add_special_tokens``
+        (default false)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise EngineError("messages must be a non-empty list", "messages")
         for message in messages:
             _check_message(message)
-        tokenizer = self.replica.model.tokenizer
-        try:
-            text = tokenizer.render_chat(
-                messages,
-                add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                continue_final_message=_bool(body, "continue_final_message", False),
-                chat_template=_optional(body, "chat_template", str),
-                tools=_tool_dicts(_optional(body, "tools", list)),
-                documents=_optional(body, "documents", list),
-                chat_template_kwargs=_optional(body, "chat_template_kwargs", dict),
-            )
-        except ChatTemplateError as e:  # a template that rejects the conversation (raise_exception, bad roles, ...)
-            raise EngineError(f"chat template error: {e}", "messages") from None
-        return tokenizer.encode(text, _bool(body, "add_special_tokens", False))
+        conversation = Conversation(
+            messages,
+            tools=tool_dicts(_optional(body, "tools", list)),
+            chat_template_kwargs=_optional(body, "chat_template_kwargs", dict),
+            reasoning_effort=_optional(body, "reasoning_effort", str),
+            add_generation_prompt=_bool(body, "add_generation_prompt", True),
+            continue_final_message=_bool(body, "continue_final_message", False),
+            documents=_optional(body, "documents", list),
+            chat_template=_optional(body, "chat_template", str),
+            add_special_tokens=_bool(body, "add_special_tokens", False),
+        )
+        return prompt_ids(self.replica.model.tokenizer, conversation)
 
     def _generation(self, request: web.BaseRequest, body: dict[str, Any], endpoint: str, ids: list[int]) -> Generation:
+        """``body`` holds the chat completions request's fields (another API's in those names)."""
         p = self.replica.params
         if not ids:
             raise EngineError("Prompt cannot be empty", "prompt")
@@ -278,14 +318,7 @@ class ReplicaApi:
         if options is not None and not stream:
             raise EngineError("Stream options can only be defined when `stream=True`.", "stream_options")
         include_usage = bool(options and options.get("include_usage"))
-        salt = body.get("cache_salt")
-        if salt is not None:
-            if not isinstance(salt, str) or not salt:
-                raise EngineError("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-            if len(salt) > CACHE_SALT_MAX_LEN or any(c in salt for c in CACHE_SALT_FORBIDDEN):
-                raise EngineError(
-                    f"Parameter 'cache_salt' must be at most {CACHE_SALT_MAX_LEN} characters and must not contain "
-                    "'@', '/', '\\' or NUL.", "cache_salt")
+        salt = check_cache_salt(body.get("cache_salt"))
         ktp = body.get("kv_transfer_params")
         if ktp is not None and not isinstance(ktp, dict):
             raise EngineError("kv_transfer_params must be an object", "kv_transfer_params")
@@ -304,7 +337,7 @@ class ReplicaApi:
             bootstrap,
         )
 
-    async def _serve(self, request: web.BaseRequest, gen: Generation, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: web.BaseRequest, gen: Generation, answer: Answer) -> web.StreamResponse:
         replica = self.replica
         ktp = gen.kv_transfer_params or {}
         remote = None
@@ -332,8 +365,7 @@ class ReplicaApi:
                 "cache_salt": gen.cache_salt, "kv_transfer_params_in": gen.kv_transfer_params,
                 "bootstrap_room": None if gen.bootstrap is None else gen.bootstrap.room,
                 "bootstrap_leg": None if gen.bootstrap is None else ("prefill" if prefill_leg else "decode"),
-                "headers": {"x-request-id": request.headers.get("X-Request-Id"),
-                            "x-session-id": request.headers.get("X-Session-ID")},
+                "headers": request_headers(request),
             },
         )
         if (replica.role == "prefill" and not req.prefill_only) or (replica.role == "decode" and req.prefill_only):
@@ -342,9 +374,9 @@ class ReplicaApi:
         replica.engine.submit(req)
         try:
             if gen.stream:
-                return await self._stream(request, gen, req, chat)
+                return await self._stream(request, gen, req, answer)
             await _until_finished(req)
-            return json_response(self._full_body(gen, req, chat), headers={"X-Request-Id": gen.request_id})
+            return json_response(answer.body(req), headers={"X-Request-Id": gen.request_id})
         finally:
             if not req.finished:
                 replica.engine.abort(req, "client")
@@ -352,46 +384,14 @@ class ReplicaApi:
                 assert gen.bootstrap is not None
                 self.bootstrap.settle(gen.bootstrap, req)
 
-    def _full_body(self, gen: Generation, req: SimRequest, chat: bool) -> dict[str, Any]:
-        text = self.replica.model.text(req.output)
-        created = int(time.time())
-        usage = _usage(req)
-        if chat:
-            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "tool_calls": [], "reasoning_content": None}
-            return {
-                "id": f"chatcmpl-{gen.request_id}", "object": "chat.completion", "created": created,
-                "model": self.replica.params.model,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
-                             "stop_reason": None}],
-                "service_tier": None, "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
-                "kv_transfer_params": req.kv_transfer_params_out,
-            }
-        return {
-            "id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": created,
-            "model": self.replica.params.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                         "prompt_logprobs": None}],
-            "service_tier": None, "system_fingerprint": None, "usage": usage,
-            "kv_transfer_params": req.kv_transfer_params_out,
-        }
-
-    async def _stream(self, request: web.BaseRequest, gen: Generation, req: SimRequest, chat: bool) -> web.StreamResponse:
-        model = self.replica.params.model
-        created = int(time.time())
-        if chat:
-            head = {"id": f"chatcmpl-{gen.request_id}", "object": "chat.completion.chunk", "created": created,
-                    "model": model}
-        else:
-            head = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": created, "model": model}
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-            "X-Request-Id": gen.request_id})
+    async def _stream(self, request: web.BaseRequest, gen: Generation, req: SimRequest,
+                      answer: Answer) -> web.StreamResponse:
+        """The answer's events as the engine produces tokens: each step's new tokens go out in one write."""
+        response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": gen.request_id})
         await response.prepare(request)
-        if chat:
-            first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
-            await response.write(_sse(first))
+        opening = answer.opening()
+        if opening:
+            await response.write(opening)
         sent = 0
         while True:
             req.changed.clear()
@@ -399,29 +399,15 @@ class ReplicaApi:
                 raise ReplicaGone(response)
             out = req.output
             if len(out) > sent:
-                chunks = []
-                for i in range(sent, len(out)):
-                    last = req.state is State.COMPLETED and i == len(out) - 1
-                    text = self.replica.model.token_text[out[i]]
-                    finish = "length" if last else None
-                    if chat:
-                        choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
-                        if last:
-                            choice["stop_reason"] = None
-                    else:
-                        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                                  "stop_reason": None}
-                    chunks.append(_sse({**head, "choices": [choice]}))
+                chunks = [answer.first(req)] if sent == 0 else []
+                done = req.state is State.COMPLETED
+                chunks += [answer.token(req, out[i], done and i == len(out) - 1) for i in range(sent, len(out))]
                 sent = len(out)
                 await response.write(b"".join(chunks))
             if req.state is State.COMPLETED:
                 break
             await req.changed.wait()
-        tail = []
-        if gen.include_usage:
-            tail.append(_sse({**head, "choices": [], "usage": _usage(req)}))
-        tail.append(b"data: [DONE]\n\n")
-        await response.write(b"".join(tail))
+        await response.write(answer.closing(req))
         await response.write_eof()
         return response
 
@@ -453,19 +439,10 @@ async def _until_finished(req: SimRequest) -> None:
         await req.changed.wait()
 
 
-def _usage(req: SimRequest) -> dict[str, Any]:
-    return {
-        "prompt_tokens": req.prompt_len, "total_tokens": req.prompt_len + len(req.output),
-        "completion_tokens": len(req.output), "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
-    }
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + _json_encode(obj) + b"\n\n"
-
-
 def _request_id(request: web.BaseRequest) -> str:
-    return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    """vLLM's ``_base_request_id``: the X-Request-Id header, else a random id."""
+    header = request.headers.get("X-Request-Id")
+    return random_id() if header is None else header
 
 
 def _session_id(request: web.BaseRequest, body: dict[str, Any]) -> str | None:
@@ -516,38 +493,6 @@ def _check_message(message: Any) -> None:
                 raise EngineError("only text content parts are supported", "messages")
     elif content is not None and not isinstance(content, str):
         raise EngineError("message content must be a string or a list of text parts", "messages")
-
-
-def _tool_dicts(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    """vLLM's ``[tool.model_dump() for tool in request.tools]``: each tool parsed into ``ChatCompletionToolsParam``
-    (``type``, ``function``, ``defer_loading``) around ``FunctionDefinition`` (``name``, ``description``,
-    ``parameters``, ``strict``, ``defer_loading``) and dumped in that field order; their serializers drop unknown
-    fields and a ``strict`` / ``defer_loading`` that is None, and a tool's ``defer_loading`` is copied to its function
-    when the function has none. A tool that does not parse is a 400, as in vLLM."""
-    if tools is None:
-        return None
-    out: list[dict[str, Any]] = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                or tool.get("type", "function") != "function":
-            raise EngineError(f"tools[{i}] must be a function tool with a function name", "tools")
-        description, parameters = function.get("description"), function.get("parameters")
-        if (description is not None and not isinstance(description, str)) \
-                or (parameters is not None and not isinstance(parameters, dict)):
-            raise EngineError(f"tools[{i}].function has a bad description or parameters", "tools")
-        tool_defer = tool.get("defer_loading")
-        function_defer = function.get("defer_loading")
-        dumped = {"name": function["name"], "description": description, "parameters": parameters}
-        for key, value in (("strict", function.get("strict")),
-                           ("defer_loading", tool_defer if function_defer is None else function_defer)):
-            if value is not None:
-                dumped[key] = value
-        entry: dict[str, Any] = {"type": "function", "function": dumped}
-        if tool_defer is not None:
-            entry["defer_loading"] = tool_defer
-        out.append(entry)
-    return out
 
 
 def _optional(body: dict[str, Any], key: str, kind: type) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from kvgate.loadgen.assets import DEFAULT_MODEL, TOKENIZER_DIR
 from .fleet import SimFleet
 from .model import SimModel
 from .params import SimParams
+from .responses import store_enabled
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +116,7 @@ def params_from_args(args: argparse.Namespace) -> SimParams:
         decode_ms_per_context_token=args.decode_ms_per_context_token,
         token_budget=args.token_budget, max_num_seqs=args.max_num_seqs, cpu_load_gib_s=args.cpu_load_gib_s,
         transfer_lease_s=args.transfer_lease_s, replay_buffer_steps=args.replay_buffer_steps, topic=args.topic,
-        seed=args.seed,
+        seed=args.seed, responses_store=store_enabled(os.environ),
     )
 
 

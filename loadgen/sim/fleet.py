@@ -85,6 +85,7 @@ class ReplicaServer:
         r.started_at = time.time()
         r.engine.restart()
         self.bootstrap.restart()
+        self.api.responses_api.restart()
         r.engine.unstall()
         r.publisher.reset()
         r.healthy = True

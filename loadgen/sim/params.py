@@ -1,4 +1,5 @@
-"""The knobs of a simulated replica: cache geometry and the time model (all durations in unscaled milliseconds)."""
+"""The knobs of a simulated replica: cache geometry, the time model (all durations in unscaled milliseconds), and
+whether its Responses API keeps responses."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class SimParams:
     replay_buffer_steps: int = 10000
     topic: str = ""
     seed: int = 0
+    responses_store: bool = False
+    """Keep Responses API responses for ``previous_response_id`` and ``GET /v1/responses/{id}`` (vLLM's
+    ``VLLM_ENABLE_RESPONSES_API_STORE``, which ``kvgate sim`` reads)."""
 
     def cpu_load_ms(self, tokens: int) -> float:
         return tokens * KV_BYTES_PER_TOKEN / (self.cpu_load_gib_s * GIB) * 1000.0

@@ -88,9 +88,15 @@ class SimReplica:
             "request_id": None, "endpoint": request.path, "model": None, "stream": None, "cache_salt": None,
             "kv_transfer_params_in": None, "prompt_tokens": 0, "cached_tokens": 0, "transferred_tokens": 0,
             "status": "error", "error": err.message, "http_status": err.status, "queue_ms": None, "ttft_ms": None,
-            "headers": {"x-request-id": request.headers.get("X-Request-Id"),
-                        "x-session-id": request.headers.get("X-Session-ID")},
+            "headers": request_headers(request),
         })
+
+
+def request_headers(request: web.BaseRequest) -> dict[str, str | None]:
+    """The request headers /sim/requests reports: the ids a router or client attaches (Claude Code names its
+    session in ``x-claude-code-session-id``, which vLLM does not read)."""
+    return {"x-request-id": request.headers.get("X-Request-Id"), "x-session-id": request.headers.get("X-Session-ID"),
+            "x-claude-code-session-id": request.headers.get("x-claude-code-session-id")}
 
 
 def client_host(host: str) -> str:

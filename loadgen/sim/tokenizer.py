@@ -5,7 +5,9 @@ tokenizer's post-processor adds e.g. Llama 3's BOS), and builds a chat prompt in
 
 1. vLLM's message parsing: text parts joined with ``"\\n"`` for templates that read ``message.content`` as a string,
    kept as ``{"type": "text"}`` parts for templates that loop over the content; tool-call arguments given as JSON text
-   parsed to objects; ``None`` content made empty.
+   parsed to objects; ``None`` content made empty; Claude Code's billing header line cut from system text. When the
+   template never names the ``developer`` role, developer messages become system messages and every system message
+   is merged into one at the front.
 2. transformers' ``apply_chat_template(..., tokenize=False)``: keys whose value is None dropped, reasoning aliased
    under its usual names, the template rendered in a sandboxed jinja2 environment (``trim_blocks``,
    ``lstrip_blocks``, ``loopcontrols``, ``{% generation %}``, ``raise_exception``, ``strftime_now``, an unescaped
@@ -49,6 +51,10 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
                     "thinking": "thinking"}
 """OpenAI content parts that carry text, and the field that holds it."""
+
+BILLING_HEADER = "x-anthropic-billing-header"
+"""Claude Code's attribution line: its per-request hash would defeat prefix caching, so vLLM cuts it from system
+text (``_strip_claude_code_billing_header``)."""
 
 
 class ChatTemplateError(ValueError):
@@ -188,6 +194,8 @@ class SimTokenizer:
         if call["add_generation_prompt"] and call["continue_final_message"]:
             raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
         chat = [_for_template(m, template.loops_over_content) for m in messages]
+        if any(m["role"] == "developer" for m in chat) and not _names_developer(template.source):
+            chat = _system_first([{**m, "role": "system"} if m["role"] == "developer" else m for m in chat])
         try:
             return _render(template, chat, call, {**self.special_tokens, **extra})
         except ChatTemplateError:
@@ -237,6 +245,8 @@ def _for_template(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
     parts = [] if raw is None else [raw] if isinstance(raw, str) else raw
     if not isinstance(parts, list):
         raise ChatTemplateError("message content must be a string or a list of parts")
+    if role == "system":
+        parts = _without_billing_header(parts)
     texts = [t for t in (_part_text(p) for p in parts) if t is not None]
     content: Any = [{"type": "text", "text": t} for t in texts] if as_parts else "\n".join(texts)
     out: dict[str, Any] = {"role": role, "content": content}
@@ -257,6 +267,43 @@ def _for_template(message: dict[str, Any], as_parts: bool) -> dict[str, Any]:
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
+
+
+def _without_billing_header(parts: list[Any]) -> list[Any]:
+    """System text parts with Claude Code's billing header line cut off; a part left empty is dropped."""
+    out = []
+    for part in parts:
+        text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else part
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
+def _names_developer(source: str) -> bool:
+    """vLLM's ``_detect_developer_role_support``: the template text names the role in quotes."""
+    return '"developer"' in source or "'developer'" in source
+
+
+def _system_first(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's ``_consolidate_system_messages``: when a system message is not the only one at the front, every system
+    message's text (parts joined with ``"\\n"``, empty ones left out) becomes one system message at the front,
+    joined with a blank line."""
+    systems = [i for i, m in enumerate(chat) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return chat
+    texts = []
+    for i in systems:
+        content = chat[i].get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] if isinstance(p, dict) else p for p in content
+                                if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
+        if content:
+            texts.append(content)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in chat if m["role"] != "system")]
 
 
 def _part_text(part: Any) -> str | None:

@@ -78,7 +78,6 @@ class WorkloadOptions:
     chat_output_tokens: tuple[int, int] = (16, 256)
 
 
-
 def working_set_tokens(requests: list[Request]) -> int:
     """Distinct prompt tokens of a workload: what an infinite cache would end up holding (each request's tokens
     beyond its oracle hit). Compared with the fleet's KV, it says whether the workload binds cache capacity."""

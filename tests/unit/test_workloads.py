@@ -1,14 +1,21 @@
-"""Workload generators: exact text → token-id round trip, seeds reproduce, trace arrivals/jitter/window."""
+"""Workload generators: exact text → token-id round trip, seeds reproduce, trace arrivals/jitter/window; and how the
+runner sends a chat request through each API (its body renders as the chat did)."""
 
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvgate.loadgen.apis import WIRES, Usage, messages_body, responses_body, wire_for
 from kvgate.loadgen.assets import TOKENIZER_DIR
+from kvgate.loadgen.sim import anthropic as sim_anthropic
+from kvgate.loadgen.sim import responses as sim_responses
+from kvgate.loadgen.sim.conversation import Conversation, render_text, tool_dicts
+from kvgate.loadgen.sim.model import SimModel
 from kvgate.loadgen.workloads import build_workload
 from kvgate.loadgen.workloads.oracle import PrefixOracle
 from kvgate.loadgen.workloads.request import WorkloadOptions, working_set_tokens
@@ -229,3 +236,84 @@ def test_bad_trace_is_refused_with_its_line(tmp_path: Path) -> None:
 def test_unknown_workload_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown workload"):
         build_workload("nope", _opts())
+
+
+TOOL_CHAT: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are an agent."},
+    {"role": "user", "content": "fix the bug"},
+    {"role": "assistant", "content": "looking", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "read", "arguments": '{"path": "b.py"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "print(1)"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "print(2)"},
+    {"role": "user", "content": "go on"},
+]
+CHAT_TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file.",
+                                                "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_a_chat_becomes_the_messages_body_claude_code_sends() -> None:
+    body = messages_body(TOOL_CHAT, "m", 64, CHAT_TOOLS)
+    assert body["system"] == [{"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}]
+    assert body["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "fix the bug"}]},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "looking"},
+            {"type": "tool_use", "id": "call_1", "name": "read", "input": {"path": "a.py"}},
+            {"type": "tool_use", "id": "call_2", "name": "read", "input": {"path": "b.py"}}]},
+        {"role": "user", "content": [  # the tool results and the text after them: one turn, the breakpoint last
+            {"type": "tool_result", "tool_use_id": "call_1", "content": "print(1)"},
+            {"type": "tool_result", "tool_use_id": "call_2", "content": "print(2)"},
+            {"type": "text", "text": "go on", "cache_control": {"type": "ephemeral"}}]},
+    ]
+    assert body["tools"] == [{"name": "read", "description": "Read a file.",
+                              "input_schema": {"type": "object", "properties": {}}}]
+    assert (body["model"], body["max_tokens"], body["stream"]) == ("m", 64, True)
+    empty = messages_body([{"role": "user", "content": ""}], "m", 1)
+    assert empty["messages"] == [{"role": "user", "content": ""}] and "system" not in empty
+
+
+@pytest.mark.parametrize("chat", [TOOL_CHAT, [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                                              {"role": "assistant", "content": ""}, {"role": "user", "content": ""},
+                                              {"role": "system", "content": "late"}, {"role": "user", "content": "b"}]])
+def test_the_messages_and_responses_bodies_render_as_the_chat(chat: list[dict[str, Any]]) -> None:
+    """vLLM (the sim, in its image) renders each API's body as the same prompt as the chat it came from."""
+    sim = SimModel.load("m", TOKENIZER_DIR)
+    tools = CHAT_TOOLS if chat is TOOL_CHAT else None
+    expected = render_text(sim.tokenizer, Conversation(chat, tools=tool_dicts(tools)))
+    anthropic_body = messages_body(chat, "m", 8, tools)
+    sim_anthropic.check_request(anthropic_body)
+    assert render_text(sim.tokenizer, sim_anthropic.MessagesApi(sim, 8192, 16).conversation(anthropic_body)) == expected
+    responses = responses_body(chat, "m", 8, tools)
+    sim_responses.check_request(responses)
+    turn = sim_responses.ResponsesApi(sim, 8192, 16, store=False).turn(responses)
+    assert sim.tokenizer.decode(turn.prompt_ids) == expected
+
+
+def test_each_api_stream_reads_to_text_usage_and_its_end() -> None:
+    messages = WIRES["messages"]
+    assert messages.read({"type": "message_start", "message": {"id": "chatcmpl-loadgen-3"}}).upstream_id == "loadgen-3"
+    assert messages.read({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "hi"}}).text
+    usage = messages.read({"type": "message_delta", "usage": {
+        "input_tokens": 4, "output_tokens": 2, "cache_creation_input_tokens": 16, "cache_read_input_tokens": 32}})
+    assert usage.usage == Usage(prompt_tokens=52, cached_tokens=32, output_tokens=2) and not usage.done
+    assert messages.read({"type": "message_stop"}).done
+    assert messages.read({"type": "error", "error": {"type": "internal_error"}}).error
+    responses = WIRES["responses"]
+    assert responses.read({"type": "response.output_text.delta", "delta": "x"}).text
+    completed = responses.read({"type": "response.completed", "response": {"usage": {
+        "input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}, "output_tokens": 3}}})
+    assert completed.done and completed.usage == Usage(40, 32, 3)
+    chat = WIRES["chat"].read({"id": "chatcmpl-loadgen-1", "choices": [], "usage": {
+        "prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}}})
+    assert chat.upstream_id == "loadgen-1" and chat.usage == Usage(9, 0, 1)
+
+
+def test_completions_keep_their_endpoint_whatever_the_api() -> None:
+    completion = build_workload("unique", _opts(requests=1))[0]
+    assert wire_for(completion, "messages").path == "/v1/completions"
+    chat = build_workload("agentic", _opts())[0]
+    assert wire_for(chat, "messages").path == "/v1/messages"
+    assert wire_for(chat, "responses").headers(chat) == {"X-Session-ID": chat.session_id}
+    assert wire_for(chat, "messages").headers(chat) == {"anthropic-version": "2023-06-01",
+                                                        "x-claude-code-session-id": chat.session_id}
