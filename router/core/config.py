@@ -3,6 +3,9 @@ tenants, the prefix index the gateway builds, and the model catalog."""
 
 from __future__ import annotations
 
+import json
+from typing import Any, Literal
+
 from pydantic import Field, SecretStr
 
 from kvgate.policies.config import PrefillCost
@@ -131,3 +134,20 @@ class ModelConfig(Section):
     max_model_len: int | None = Field(None, ge=1)
     """Longest prompt the model takes, in tokens; longer prompts get 400 before they are forwarded. When unset, the
     largest ``max_model_len`` its replicas report in /v1/models (vLLM does)."""
+    chat_template: str | None = None
+    """The chat template its engines are started with (vLLM's ``--chat-template``), instead of the tokenizer's: a
+    path to the template file, else the template text itself (a value holding ``{``, ``}`` or a newline). A path
+    that cannot be read is refused when the policy file is loaded. Set it whenever the engines set theirs, or kvgate
+    keys prompts the engines never compute."""
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    """How its engines hand message content to the template (vLLM's ``--chat-template-content-format``): ``auto``
+    detects it from the template, ``string`` joins text parts into one string, ``openai`` passes the list of
+    parts. Same value as the engines'."""
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Template variables its engines render every chat with (vLLM's ``--default-chat-template-kwargs``), e.g.
+    ``{enable_thinking: false}``; a request's ``chat_template_kwargs`` and fields override them. Same value as the
+    engines'."""
+
+    def __hash__(self) -> int:
+        # Model entries are compared across reloads in sets; the kwargs mapping is not hashable as it is.
+        return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True))

@@ -1,8 +1,13 @@
-"""Chat templates as Hugging Face and vLLM apply them: compiled in jinja2's sandbox, OpenAI messages converted the way
-vLLM converts them for a template, and rendered.
+"""Chat templates as transformers 5 compiles and applies them and vLLM 0.32 feeds them: compiled in jinja2's
+sandbox, what vLLM reads from a template's text before rendering it, and rendering one chat.
+
+:func:`render_chat` is vLLM's ``parse_chat_messages`` and ``safe_apply_chat_template`` (``vllm/renderers/hf.py``
+L780-842) around transformers' ``apply_chat_template(tokenize=False)`` (``transformers/tokenization_utils_base.py``
+L2990-3164, ``transformers/utils/chat_template_utils.py`` L425-614). Which template a request renders with, and with
+which messages and kwargs, is :mod:`kvgate.router.prompts.model_templates`' business.
 
 The simulated fleet has its own implementation (``loadgen/sim/tokenizer.py``); golden tests hold both to
-``transformers``' own ``apply_chat_template``.
+``transformers``' own ``apply_chat_template`` and kvgate's to vLLM's own rendering.
 """
 
 from __future__ import annotations
@@ -10,59 +15,114 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
+from jinja2.runtime import Macro
 
-ContentFormat = Literal["string", "openai"]
-"""How a template expects ``message.content``: one string (text parts joined), or the list of OpenAI parts."""
+from kvgate.router.prompts.content_format import ContentFormat, ContentFormatOption, detect_content_format
+from kvgate.router.prompts.conversation import conversation_for_template, developer_as_system, supports_developer_role
+from kvgate.router.prompts.template_kwargs import accepted_kwargs
 
-TEXT_PART_FIELDS: dict[str, str] = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
-    "refusal": "refusal",
-    "thinking": "thinking",
-}
-"""Content part types that carry text, and the field holding it (as vLLM's chat parser reads them)."""
+CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""What transformers appends to the final message for ``continue_final_message``, to cut the rendered text at."""
 
-TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"})
-"""Template variables kvgate sets itself; ``chat_template_kwargs`` cannot override them."""
+SHADOWED_ARGUMENTS = frozenset({"self", "conversation", "conversations", "messages"})
+"""Kwargs that collide with an argument transformers passes itself: vLLM lets them through when the template reads
+them, and the call then fails (a ``TypeError``, which vLLM answers with a 400)."""
+
+UNUSED_WHEN_NOT_TOKENIZING = (
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+)
+"""``apply_chat_template`` parameters that only shape its tokenizer call: they change nothing in the text."""
+
+INLINE_SYSTEM_PROBE = [
+    {"role": "system", "content": "t"},
+    {"role": "user", "content": "t"},
+    {"role": "system", "content": "t"},
+    {"role": "user", "content": "t"},
+]
+"""The conversation vLLM renders to learn whether a template takes a system message after the first."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ChatTemplate:
+    """A chat template compiled as transformers compiles it, with what vLLM reads from its text before it renders."""
+
     source: str
     template: jinja2.Template
-    special_tokens: dict[str, Any]
-    content_format: ContentFormat
+    special_tokens: dict[str, str]
+    """The model's special tokens (:func:`kvgate.router.prompts.special_tokens.special_tokens`), template
+    variables unless a kwarg of the same name replaces one."""
     variables: frozenset[str]
-    """Undeclared variables the template reads: the only ``chat_template_kwargs`` that reach it (vLLM's rule)."""
+    """Undeclared variables the template reads: with ``apply_chat_template``'s parameters, the only kwargs that
+    reach it (vLLM's rule)."""
+    detected_format: ContentFormat
+    """The content format ``auto`` resolves to for this template."""
+    supports_developer: bool
+    """Whether developer messages reach it as they are (else they become system messages)."""
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        return self.template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
-        )
+
+def merges_inline_system(source: str | None) -> bool:
+    """Whether a template fails on a system message after the first, as vLLM probes it
+    (``AnthropicServingMessages._detect_merge_inline_system``, entrypoints/anthropic/serving.py L272-299):
+    ``[system, user, system, user]`` rendered in a bare sandbox (no ``raise_exception``, ``strftime_now``, ``tojson``
+    override, ``generation`` tag, special tokens or tools), where any template error, one that does not parse, and
+    no template at all mean yes. An error of another kind propagates: vLLM does not start with such a template
+    either."""
+    if not source:
+        return True
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    try:
+        env.from_string(source).render(messages=INLINE_SYSTEM_PROBE, add_generation_prompt=False)
+    except jinja2.TemplateError:
+        return True
+    return False
 
 
-def compile_chat_template(source: str, special_tokens: dict[str, Any]) -> ChatTemplate:
-    """Compile a chat template the way Hugging Face does (sandboxed, trim_blocks/lstrip_blocks; vLLM too).
+class GenerationTag(jinja2.ext.Extension):
+    """Transformers' ``{% generation %}...{% endgeneration %}`` (its ``AssistantTracker``), which marks the
+    assistant's tokens for training masks: when rendering a prompt it renders its body, nothing more."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body", []), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Macro) -> str:
+        return caller()
+
+
+def compile_chat_template(source: str, special_tokens: dict[str, str]) -> ChatTemplate:
+    """Compile a chat template the way transformers does (sandboxed, trim_blocks/lstrip_blocks, its ``tojson``,
+    ``raise_exception`` and ``strftime_now``, the ``generation`` tag).
 
     Raises ``jinja2.TemplateSyntaxError`` for a template that does not parse.
     """
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
     )
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
     ast = env.parse(source)
-    variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
-    return ChatTemplate(source, env.from_string(source), special_tokens, _content_format(ast), variables)
+    return ChatTemplate(
+        source=source,
+        template=env.from_string(source),
+        special_tokens=special_tokens,
+        variables=frozenset(jinja2.meta.find_undeclared_variables(ast)),
+        detected_format=detect_content_format(ast),
+        supports_developer=supports_developer_role(source),
+    )
 
 
 def _raise_template_error(message: str) -> None:
@@ -80,150 +140,98 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    # Hugging Face's tojson: no HTML escaping (jinja's default tojson escapes <, >, &, ').
+    # Transformers' tojson: no HTML escaping (jinja's default tojson escapes <, >, &, ').
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _content_format(ast: jinja2.nodes.Template) -> ContentFormat:
-    """``openai`` when the template loops over a message's content (it expects parts), else ``string``.
-
-    vLLM resolves ``--chat-template-content-format auto`` the same way: by looking for such a loop in the AST.
-    """
-    for loop in ast.find_all(jinja2.nodes.For):
-        it = loop.iter
-        if isinstance(it, jinja2.nodes.Filter) and it.node is not None:
-            it = it.node
-        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) and it.arg.value == "content":
-            return "openai"
-        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
-            return "openai"
-    return "string"
-
-
-def conversation_for_template(messages: Sequence[dict[str, Any]], content_format: ContentFormat) -> list[dict[str, Any]]:
-    """OpenAI chat messages as vLLM hands them to a chat template.
-
-    Text parts are joined with ``"\\n"`` for string-content templates or kept as ``{"type": "text"}`` parts for
-    templates that loop over parts; ``None`` content becomes empty; assistant tool-call arguments given as JSON
-    strings are parsed to dicts (``{}`` when not valid JSON); ``name``, ``tool_call_id`` and ``reasoning`` are kept.
-    Raises ``ValueError`` for content this text-only path cannot render (media parts, unknown part types).
-    """
-    conversation = []
-    for message in messages:
-        role = message["role"]
-        parts = message.get("content")
-        if parts is None:
-            parts = []
-        elif isinstance(parts, str):
-            parts = [parts]
-        texts = [_part_text(part) for part in parts]
-        texts = [t for t in texts if t is not None]
-        content: str | list[dict[str, str]]
-        if content_format == "openai":
-            content = [{"type": "text", "text": t} for t in texts]
-        else:
-            content = "\n".join(texts)
-        converted: dict[str, Any] = {"role": role, "content": content}
-        if role == "assistant":
-            if message.get("tool_calls") is not None:
-                converted["tool_calls"] = _tool_calls_for_template(message["tool_calls"])
-            if message.get("reasoning") is not None:
-                converted["reasoning"] = converted["reasoning_content"] = message["reasoning"]
-        elif role == "tool":
-            if "tool_call_id" in message:
-                converted["tool_call_id"] = message["tool_call_id"]
-            if isinstance(content, list):
-                converted["content"] = "\n".join(p["text"] for p in content)
-        if isinstance(message.get("name"), str):
-            converted["name"] = message["name"]
-        if role == "developer":
-            converted["tools"] = message.get("tools")
-        conversation.append(converted)
-    return conversation
-
-
-def _part_text(part: Any) -> str | None:
-    if isinstance(part, str):
-        return part
-    if not isinstance(part, dict):
-        raise ValueError("a content part must be a string or an object")
-    part_type = part.get("type")
-    field = TEXT_PART_FIELDS.get(part_type) if isinstance(part_type, str) else None
-    if field is None:
-        raise ValueError(f"content part type {part_type!r} cannot be rendered as text")
-    text = part.get(field)
-    if text is not None and not isinstance(text, str):
-        raise ValueError(f"content part field {field!r} must be a string")
-    return text
-
-
-def _tool_calls_for_template(tool_calls: Any) -> Any:
-    if not isinstance(tool_calls, list):
-        return tool_calls
-    if not tool_calls:
-        return None
-    converted = []
-    for call in tool_calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            converted.append(call)
-            continue
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = {}
-        elif not isinstance(arguments, (dict, list)):
-            arguments = {}
-        converted.append({**call, "function": {**function, "arguments": arguments}})
-    return converted
-
-
-def cut_after_final_message(rendered: str, final_content: Any) -> str:
-    """``continue_final_message``: drop what the template wrote after the last message's text (Hugging Face's rule),
-    so the model continues that message instead of starting a new turn."""
-    final = final_content
-    if isinstance(final, list):
-        final = next((p.get("text") for p in reversed(final) if isinstance(p, dict) and "text" in p), None)
-    if not isinstance(final, str) or final.strip() not in rendered:
-        raise ValueError("continue_final_message is set but the final message does not appear in the rendered chat")
-    at = rendered.rindex(final.strip())
-    if rendered[at : at + len(final.lstrip())] == final:
-        return rendered[: at + len(final.lstrip())]
-    return rendered[: at + len(final.strip())]
-
-
 def render_chat(
-    template: ChatTemplate,
-    messages: Sequence[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    *,
-    continue_final_message: bool = False,
-    tools: list[Any] | None = None,
-    documents: list[Any] | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    template: ChatTemplate, messages: Sequence[dict[str, Any]], kwargs: dict[str, Any],
+    content_format: ContentFormatOption,
 ) -> str:
-    """The prompt text vLLM's chat endpoint builds with ``template`` for these OpenAI messages and options.
+    """The prompt text vLLM renders with ``template`` for these OpenAI messages and ``kwargs`` (everything it
+    hands ``safe_apply_chat_template``: :func:`kvgate.router.prompts.template_kwargs.template_kwargs`), with the
+    content in ``content_format`` (``auto``: the template's own).
 
-    Raises ``ValueError`` / ``jinja2.TemplateError`` for messages or options the template rejects.
+    Developer messages become system messages for a template that does not name the role. Raises ``ValueError``,
+    ``TypeError`` or ``jinja2.TemplateError`` where vLLM or the template refuses the chat.
     """
-    if add_generation_prompt and continue_final_message:
-        raise ValueError("cannot set both continue_final_message and add_generation_prompt")
-    conversation = conversation_for_template(messages, template.content_format)
-    extra = {
-        k: v for k, v in (chat_template_kwargs or {}).items() if k in template.variables and k not in TEMPLATE_ARGUMENTS
-    }
-    rendered = template.render(
-        conversation,
-        add_generation_prompt=add_generation_prompt,
-        tools=tools,
-        documents=documents,
-        continue_final_message=continue_final_message,
-        **extra,
+    conversation = conversation_for_template(
+        messages, template.detected_format if content_format == "auto" else content_format
     )
-    if continue_final_message and conversation:
-        rendered = cut_after_final_message(rendered, conversation[-1]["content"])
-    return rendered
+    if not template.supports_developer and any(message["role"] == "developer" for message in conversation):
+        conversation = developer_as_system(conversation)
+    tools = kwargs.get("tools")
+    variables = accepted_kwargs({k: v for k, v in kwargs.items() if k != "tools"}, template.variables)
+    return _apply(template, conversation, tools, variables)
 
 
+def _apply(
+    template: ChatTemplate, conversation: list[dict[str, Any]], tools: Any, variables: dict[str, Any]
+) -> str:
+    """Transformers' ``apply_chat_template(conversation, tools=tools, tokenize=False, **variables)``: its own
+    parameters taken out, the rest over the special tokens as the template's variables."""
+    shadowed = SHADOWED_ARGUMENTS & variables.keys()
+    if shadowed:
+        raise TypeError(f"chat_template_kwargs {sorted(shadowed)} collide with the chat template's own arguments")
+    add_generation_prompt = variables.pop("add_generation_prompt", False)
+    continue_final_message = variables.pop("continue_final_message", False)
+    documents = variables.pop("documents", None)
+    if variables.pop("return_assistant_tokens_mask", False):
+        raise ValueError("`return_assistant_tokens_mask=True` requires `return_dict=True` and `tokenize=True`")
+    for name in UNUSED_WHEN_NOT_TOKENIZING:
+        variables.pop(name, None)
+    if not conversation:
+        raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+    if tools is not None and not all(isinstance(tool, dict) for tool in tools):
+        raise ValueError("Tools should either be a JSON schema, or a callable function")
+    if documents is not None and not all(isinstance(document, dict) for document in documents):
+        raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
+    chat, final = conversation, None
+    if continue_final_message:
+        chat, final = _tagged_final_message(template.source, conversation)
+    rendered = template.template.render(
+        messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+        **{**template.special_tokens, **variables},
+    )
+    if final is None:
+        return rendered
+    return _cut_at_tag(rendered, final)
+
+
+def _tagged_final_message(source: str, conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """``continue_final_message``: the conversation with :data:`CONTINUE_FINAL_MESSAGE_TAG` after the final
+    message's text (its last text part's), and that text (transformers' ``render_jinja_template``)."""
+    last = conversation[-1]
+    content = last.get("content")
+    if content is None:
+        raise ValueError('continue_final_message is set but the final message has no "content" to continue!')
+    if "content" not in source:
+        raise ValueError(
+            'continue_final_message is set to "content" but this is not an accepted field in the chat_template'
+        )
+    if isinstance(content, (list, tuple)):
+        for i in reversed(range(len(content))):
+            if "text" in content[i]:
+                final = content[i]["text"]
+                parts = [*content[:i], {**content[i], "text": final + CONTINUE_FINAL_MESSAGE_TAG}, *content[i + 1:]]
+                return [*conversation[:-1], {**last, "content": parts}], final
+        raise ValueError(
+            "continue_final_message is set but we could not find any text to continue in the final message!"
+        )
+    return [*conversation[:-1], {**last, "content": content + CONTINUE_FINAL_MESSAGE_TAG}], content
+
+
+def _cut_at_tag(rendered: str, final: str) -> str:
+    """The rendered text up to the tag: the model continues the final message instead of starting a new turn."""
+    tag = CONTINUE_FINAL_MESSAGE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ValueError(
+            "continue_final_message is set but the final message does not appear in the chat after applying the "
+            "chat template"
+        )
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(CONTINUE_FINAL_MESSAGE_TAG)] == CONTINUE_FINAL_MESSAGE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the text's trailing space, and the tag's with it

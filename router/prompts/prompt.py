@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.router.core.config import LimitsConfig
-from kvgate.router.prompts.chat_template import TEXT_PART_FIELDS
+from kvgate.router.prompts.conversation import TEXT_PART_FIELDS
 
 
 class PromptError(Exception):
@@ -26,7 +26,6 @@ class PromptError(Exception):
         self.code = code
 
 
-
 @dataclass(frozen=True, slots=True)
 class CompletionPrompt:
     """A completions request's prompt: its text or token ids (the first of a batch; ``prompt_count`` prompts in all)."""
@@ -35,7 +34,6 @@ class CompletionPrompt:
     ids: array[int] | None
     add_special_tokens: bool
     prompt_count: int
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +50,21 @@ class ChatPrompt:
     tools: list[Any] | None
     documents: list[Any] | None
     has_media: bool
-
+    reasoning_effort: str | None = None
+    """The request's reasoning effort (chat ``reasoning_effort``, Messages ``output_config.effort``, Responses
+    ``reasoning.effort``): the template gets it as ``reasoning_effort``, and ``enable_thinking`` (whether it is not
+    ``"none"``) unless the request's ``chat_template_kwargs`` set that (vLLM's rule)."""
+    thinking_disabled: bool = False
+    """Messages ``thinking: {type: disabled}``: the effort is the template's disabled-thinking effort instead (vLLM
+    probes the template for it), overriding ``reasoning_effort``."""
+    system_merged: list[dict[str, Any]] | None = None
+    """The messages for a template that takes no system message after the first: vLLM merges a Messages body's inline
+    system messages into its leading one for those. None: the messages are the same either way."""
+    shared_prefix_end: str | None = None
+    """Text the rendered prompt's shared prefix ends before: a client that marks its tools or system for caching
+    (Anthropic's ``cache_control``) says every session sends that part again, and it is everything the template
+    renders ahead of the conversation's first text, this. The tokenizer finds its length in tokens
+    (:attr:`~kvgate.router.prompts.tokenizer.TokenizedPrompt.shared_tokens`)."""
 
 
 Prompt = CompletionPrompt | ChatPrompt
@@ -81,10 +93,8 @@ def check_limits(prompt: CompletionPrompt | ChatPrompt, limits: LimitsConfig) ->
         )
 
 
-
 def is_token_id(value: Any) -> bool:
     return type(value) is int and 0 <= value <= 0xFFFFFFFF
-
 
 
 def text_chars(prompt: CompletionPrompt | ChatPrompt) -> int:
@@ -98,7 +108,6 @@ def text_chars(prompt: CompletionPrompt | ChatPrompt) -> int:
     return total
 
 
-
 def plain_text(content: Any) -> str:
     if isinstance(content, str):
         return content
@@ -108,6 +117,8 @@ def plain_text(content: Any) -> str:
     for part in content:
         if isinstance(part, str):
             texts.append(part)
-        elif isinstance(part, dict) and isinstance(text := part.get(TEXT_PART_FIELDS.get(str(part.get("type")), "")), str):
-            texts.append(text)
+        elif isinstance(part, dict):
+            text = part.get(TEXT_PART_FIELDS.get(str(part.get("type")), ""))
+            if isinstance(text, str):
+                texts.append(text)
     return "\n".join(texts)

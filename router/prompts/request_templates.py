@@ -4,7 +4,7 @@ A chat template is a program: a 199-byte nested loop runs for seconds, ``{{ 'x' 
 ten million characters. The model's own template is the operator's, and renders in-process; a request's own template
 (accepted only with ``limits.trust_request_chat_template``, vLLM's ``--trust-request-chat-template``) renders in a
 child process: jinja2's ``ImmutableSandboxedEnvironment`` as for every template
-(:mod:`router.prompts.model_tokenizer`), an address-space limit (``resource.RLIMIT_AS``), a wall-clock limit after
+(:mod:`kvgate.router.prompts.chat_template`), an address-space limit (``resource.RLIMIT_AS``), a wall-clock limit after
 which the child is killed and replaced, and a limit on the rendered text's size. One child renders one template at a
 time; the event loop only waits on a pipe.
 """
@@ -23,6 +23,8 @@ from typing import Any
 
 import jinja2
 
+from kvgate.router.prompts.content_format import ContentFormatOption
+
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 30.0
@@ -33,16 +35,14 @@ COMPILED_TEMPLATES = 32
 
 @dataclass(frozen=True, slots=True)
 class TemplateJob:
-    """What rendering a request's template needs, all of it picklable."""
+    """What rendering a request's template needs, all of it picklable: the template, the model's special tokens,
+    and the chat as :meth:`kvgate.router.prompts.model_templates.ModelTemplates.plan` made it."""
 
     source: str
-    special_tokens: dict[str, Any]
+    special_tokens: dict[str, str]
     messages: list[dict[str, Any]]
-    add_generation_prompt: bool
-    continue_final_message: bool
-    tools: list[Any] | None
-    documents: list[Any] | None
-    chat_template_kwargs: dict[str, Any] | None
+    kwargs: dict[str, Any]
+    content_format: ContentFormatOption
     max_chars: int
     scope: str
     """The request's cache scope (model and tenant namespace): compiled templates are not shared across scopes, so
@@ -132,7 +132,7 @@ def _receive(conn: multiprocessing.connection.Connection, timeout_s: float) -> t
 def serve(conn: multiprocessing.connection.Connection, memory_bytes: int) -> None:
     """The child's loop: render each job, answer ``("ok", text)`` or ``(kind, message)``; exit when the pipe closes."""
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    from kvgate.router.prompts.model_tokenizer import ChatTemplate, compile_chat_template, render_chat
+    from kvgate.router.prompts.chat_template import ChatTemplate, compile_chat_template, render_chat
 
     compiled: OrderedDict[tuple[str, str, tuple[tuple[str, Any], ...]], ChatTemplate] = OrderedDict()
     conn.send(("ready", None))
@@ -148,10 +148,7 @@ def serve(conn: multiprocessing.connection.Connection, memory_bytes: int) -> Non
                 template = compiled[key] = compile_chat_template(job.source, job.special_tokens)
                 while len(compiled) > COMPILED_TEMPLATES:
                     compiled.popitem(last=False)
-            text = render_chat(
-                template, job.messages, job.add_generation_prompt, continue_final_message=job.continue_final_message,
-                tools=job.tools, documents=job.documents, chat_template_kwargs=job.chat_template_kwargs,
-            )
+            text = render_chat(template, job.messages, job.kwargs, job.content_format)
             if len(text) > job.max_chars:
                 answer = ("too_large", f"chat_template rendered {len(text)} characters; the limit is {job.max_chars}")
             else:

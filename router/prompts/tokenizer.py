@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 import zlib
 from array import array
@@ -34,9 +35,12 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Literal, Sequence
 
 import jinja2
+import xxhash
 
 from kvgate.router.core.config import LimitsConfig, ModelConfig
 from kvgate.router.core.errors import ConfigError
+from kvgate.router.prompts.chat_template import render_chat
+from kvgate.router.prompts.model_templates import ChatRender, TemplateSettings
 from kvgate.router.prompts.model_tokenizer import ModelTokenizer
 from kvgate.router.prompts.piece_cache import PieceCache
 from kvgate.router.prompts.prompt import (
@@ -77,6 +81,9 @@ class TokenizedPrompt:
     ``/tokenize`` time is not included)."""
     prompt_count: int = 1
     """Prompts in a batched completions request; ``token_ids`` are the first one's."""
+    shared_tokens: int = 0
+    """How many of ``token_ids`` are the prefix the client marked as one every session sends again
+    (:attr:`~kvgate.router.prompts.prompt.ChatPrompt.shared_prefix_end`); 0 when it marked none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +114,11 @@ class _Prepared:
     source: Source = "local"
     text: str | None = None
     """The prompt text from the model's own template (or a completions prompt), for a small body's ids."""
+    planned: ChatRender | None = None
+    """A chat whose template is the request's own, for the sandboxed renderer."""
     failed: Exception | None = None
     """The local tokenizer failed unexpectedly (never a client mistake): the request falls back."""
+    shared_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +162,7 @@ class PromptTokenizer:
             limits.request_template_timeout_s, limits.request_template_memory_mb
         )
         self.cache = PieceCache(cache_bytes)
+        self._shared = SharedPrefixLengths()
         # Counters, updated on the event loop only (workers touch only the cache, which has its own lock).
         self._by_source: dict[str, int] = {"local": 0, "engine": 0, "approximate": 0, "ids": 0}
         self._engine_errors = 0
@@ -215,16 +226,18 @@ class PromptTokenizer:
         prompt, cpu = prepared.prompt, prepared.cpu_s
         count = prompt.prompt_count if isinstance(prompt, CompletionPrompt) else 1
         if prepared.ids is not None:
-            return self._done(prepared.ids, prepared.source, cpu, count)
+            return self._done(prepared.ids, prepared.source, cpu, count, prepared.shared_tokens)
         if local is not None and prepared.failed is None and self._renders_locally(local, prompt):
             try:
-                if isinstance(prompt, ChatPrompt) and prompt.chat_template is not None:
-                    text = await self._render_request_template(local, prompt, scope)
+                if prepared.planned is not None:
+                    text = await self._render_request_template(local, prepared.planned, scope)
                 else:
                     assert prepared.text is not None
                     text = prepared.text
                 ids, text_cpu = await self._text_ids(local, prompt, text, scope)
-                return self._done(ids, "local", cpu + text_cpu, count)
+                started = time.thread_time()
+                shared = self._shared_tokens(local, prompt, text, ids, scope)
+                return self._done(ids, "local", cpu + text_cpu + time.thread_time() - started, count, shared)
             except PromptError:
                 raise
             except Exception as err:  # a bug or a tokenizer failure must not fail the request: route on a fallback
@@ -258,31 +271,58 @@ class PromptTokenizer:
         if local is None or not self._renders_locally(local, prompt):
             return _Prepared(prompt, time.thread_time() - started)
         _check_token_bound(local, prompt, max_model_len)
-        if isinstance(prompt, ChatPrompt) and prompt.chat_template is not None:
-            return _Prepared(prompt, time.thread_time() - started)  # the sandboxed renderer is awaited
         try:
-            text = prompt.text if isinstance(prompt, CompletionPrompt) else self._render_model_template(local, prompt)
+            if isinstance(prompt, CompletionPrompt):
+                text = prompt.text
+            else:
+                planned = self._plan(local, prompt)
+                if planned.template is None:  # the sandboxed renderer is awaited
+                    return _Prepared(prompt, time.thread_time() - started, planned=planned)
+                text = self._render_model_template(planned)
             assert text is not None
             if not whole:
                 return _Prepared(prompt, time.thread_time() - started, text=text)
             pieces, found, missing = self._look_up(local, text, scope)
             ids = self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
+            shared = self._shared_tokens(local, prompt, text, ids, scope)
         except PromptError:
             raise
         except Exception as err:  # counted and logged on the loop
             return _Prepared(prompt, time.thread_time() - started, failed=err)
-        return _Prepared(prompt, time.thread_time() - started, ids=ids, source="local")
+        return _Prepared(prompt, time.thread_time() - started, ids=ids, source="local", shared_tokens=shared)
 
-    def _done(self, ids: array[int], source: Source, cpu_s: float, count: int) -> TokenizedPrompt:
+    def _done(self, ids: array[int], source: Source, cpu_s: float, count: int, shared: int = 0) -> TokenizedPrompt:
         self._by_source[source] += 1
         self._cpu_seconds += cpu_s
-        return TokenizedPrompt(ids, source == "approximate", source, cpu_s * 1000.0, count)
+        return TokenizedPrompt(ids, source == "approximate", source, cpu_s * 1000.0, count, shared)
+
+    def _shared_tokens(
+        self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, ids: array[int], scope: str
+    ) -> int:
+        """Tokens of the prompt's marked shared prefix: the rendered text ahead of
+        :attr:`~ChatPrompt.shared_prefix_end`, encoded on its own (its pieces are cached: the whole prompt was just
+        encoded) and cut to what it has in common with the whole prompt's ids, since the tokens at a cut may merge
+        differently. Remembered per scope and prefix text, which every session of one system prompt repeats."""
+        end = prompt.shared_prefix_end if isinstance(prompt, ChatPrompt) else None
+        at = text.find(end) if end else -1
+        if at <= 0:
+            return 0
+        prefix = text[:at]
+        key = (scope, at, xxhash.xxh3_64_intdigest(prefix.encode("utf-8", "surrogatepass")))
+        known = self._shared.get(key)
+        if known is not None:
+            return min(known, len(ids))
+        pieces, found, missing = self._look_up(local, prefix, scope)
+        own = self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
+        shared = common_prefix(own, ids)
+        self._shared.put(key, shared)
+        return shared
 
     @staticmethod
     def _renders_locally(local: _LocalModel, prompt: CompletionPrompt | ChatPrompt) -> bool:
         if isinstance(prompt, CompletionPrompt):
             return True
-        has_template = prompt.chat_template is not None or local.tokenizer.chat_template is not None
+        has_template = prompt.chat_template is not None or local.tokenizer.templates.has_own
         return has_template and not prompt.has_media
 
     def _look_up(
@@ -361,32 +401,33 @@ class PromptTokenizer:
         started = time.thread_time()
         return self._encode_pieces(local, keys), time.thread_time() - started
 
-    async def _render_request_template(self, local: _LocalModel, prompt: ChatPrompt, scope: str) -> str:
+    async def _render_request_template(self, local: _LocalModel, planned: ChatRender, scope: str) -> str:
         """The chat's prompt text from the request's own template, in the sandboxed renderer
         (:mod:`kvgate.router.prompts.request_templates`), within ``limits.max_prompt_chars``."""
-        assert prompt.chat_template is not None
         job = TemplateJob(
-            prompt.chat_template, local.tokenizer.special_tokens, prompt.messages, prompt.add_generation_prompt,
-            prompt.continue_final_message, prompt.tools, prompt.documents, prompt.chat_template_kwargs,
-            self.limits.max_prompt_chars, scope,
+            planned.source, local.tokenizer.templates.special_tokens, planned.messages, planned.kwargs,
+            planned.content_format, self.limits.max_prompt_chars, scope,
         )
         try:
             return await self._request_templates.render(job)
         except TemplateRejected as err:
             raise PromptError(err.message, err.param) from err
 
-    def _render_model_template(self, local: _LocalModel, prompt: ChatPrompt) -> str:
+    @staticmethod
+    def _plan(local: _LocalModel, prompt: ChatPrompt) -> ChatRender:
+        """Which template, messages and kwargs the chat renders with; no template for it is a :class:`PromptError`,
+        and so is a model template that does not parse."""
+        try:
+            return local.tokenizer.templates.plan(prompt)
+        except (jinja2.TemplateError, ValueError) as err:
+            raise PromptError(f"cannot render the chat template for these messages: {err}", "messages") from err
+
+    def _render_model_template(self, planned: ChatRender) -> str:
         """The chat's prompt text from the model's own template; longer than ``limits.max_prompt_chars`` is a
         :class:`PromptError`, and so is what the template itself rejects."""
+        assert planned.template is not None
         try:
-            text = local.tokenizer.render_chat(
-                prompt.messages,
-                prompt.add_generation_prompt,
-                continue_final_message=prompt.continue_final_message,
-                tools=prompt.tools,
-                documents=prompt.documents,
-                chat_template_kwargs=prompt.chat_template_kwargs,
-            )
+            text = render_chat(planned.template, planned.messages, planned.kwargs, planned.content_format)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, AttributeError) as err:
             # What the template itself rejects (roles must alternate, missing fields...): vLLM answers 400 too.
             raise PromptError(f"cannot render the chat template for these messages: {err}", "messages") from err
@@ -413,13 +454,18 @@ class PromptTokenizer:
 
 
 def _load_models(models: Sequence[ModelConfig], chunk_chars: int) -> dict[str, _LocalModel]:
-    """Every model's local tokenizer (those with a ``tokenizer`` path); ``ConfigError`` when one does not load."""
+    """Every model's local tokenizer (those with a ``tokenizer`` path), with its template settings; ``ConfigError``
+    when one does not load."""
     loaded: dict[str, _LocalModel] = {}
     for model in models:
         if model.tokenizer is None:
             continue
         try:
-            tokenizer = ModelTokenizer.from_path(model.tokenizer)
+            settings = TemplateSettings.of(model)
+        except ValueError as err:
+            raise ConfigError(f"models.{model.name}.{err}") from err
+        try:
+            tokenizer = ModelTokenizer.from_path(model.tokenizer, settings)
         except Exception as err:  # tokenizers, json and jinja2 each raise their own types
             raise ConfigError(f"models.{model.name}.tokenizer: cannot load {model.tokenizer!r}: {err}") from err
         loaded[model.name] = _LocalModel(model.name, tokenizer, PromptSplitter(tokenizer.tokenizer, chunk_chars))
@@ -440,6 +486,40 @@ def _check_token_bound(local: _LocalModel, prompt: CompletionPrompt | ChatPrompt
             f"{at_least} input tokens. Please reduce the length of the input.",
             "prompt" if isinstance(prompt, CompletionPrompt) else "messages", "context_length_exceeded",
         )
+
+
+class SharedPrefixLengths:
+    """Token lengths of marked shared prefixes, by scope and text (a bounded map, oldest entry dropped first; the
+    loop and the worker threads both use it)."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self) -> None:
+        self._lengths: dict[tuple[str, int, int], int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int, int]) -> int | None:
+        return self._lengths.get(key)
+
+    def put(self, key: tuple[str, int, int], tokens: int) -> None:
+        with self._lock:
+            if len(self._lengths) >= self.MAX_ENTRIES:
+                self._lengths.pop(next(iter(self._lengths)))
+            self._lengths[key] = tokens
+
+
+def common_prefix(a: array[int], b: array[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share: a binary search over slice comparisons, which run in C."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while low < high - 1:  # a[:low] == b[:low], a[:high] != b[:high]
+        mid = (low + high) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def cache_scope(model: str, namespace: str | None) -> str:

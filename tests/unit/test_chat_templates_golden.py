@@ -1,28 +1,44 @@
-"""Golden tests on real chat templates: kvgate's prompt token ids (what the gateway routes on) and the simulated
-engine's both equal what vLLM computes, i.e. transformers' ``apply_chat_template(..., tokenize=True)`` on the
-messages as vLLM hands them over (tool-call arguments parsed from JSON text).
+"""Golden tests on real chat templates.
 
-The fixtures are small tokenizers shaped like Llama 3.1's and Qwen 2.5's, carrying those models' real chat templates
-(built by scripts/build_chat_fixtures.py). A missing fixture fails.
+- Small tokenizers shaped like Llama 3.1's and Qwen 2.5's, carrying those models' real chat templates (built by
+  scripts/build_chat_fixtures.py): kvgate's prompt token ids (what the gateway routes on) and the simulated engine's
+  both equal transformers' ``apply_chat_template(..., tokenize=True)`` on the messages as vLLM hands them over.
+- vLLM's example chat templates (tests/fixtures/chat_templates/vllm_examples) and kvgate's own probes (.../kvgate)
+  served around kvgate's shipped tokenizer (``bos_token: null``), each with its operator settings: kvgate's ids for
+  chat and Messages bodies equal both vLLM 0.32's own rendering and transformers' ``apply_chat_template`` (5.19, the
+  version vLLM 0.32 runs with) on the conversation and arguments vLLM handed it, both recorded in
+  tests/fixtures/chat_templates/vllm_rendered.json by scripts/vllm_render_golden.py; what vLLM refuses, kvgate
+  refuses; kvgate's probes of each setup agree with vLLM's. (This environment's transformers is newer and renders
+  some of these differently: it drops null message fields and copies ``reasoning`` into ``thinking``.)
+
+A missing fixture fails.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import transformers
 
+from kvgate.loadgen.assets import TOKENIZER_DIR
 from kvgate.loadgen.sim.tokenizer import SimTokenizer
 from kvgate.router.core.config import ModelConfig
+from kvgate.router.prompts.model_templates import TemplateSettings
+from kvgate.router.prompts.model_tokenizer import ModelTokenizer
+from kvgate.router.prompts.prompt import ChatPrompt, PromptError
 from kvgate.router.prompts.tokenizer import PromptTokenizer
 from tests.tokenizing import tokenize_body
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 MODELS = ["llama3", "qwen2"]
+VLLM: dict[str, Any] = json.loads((FIXTURES / "vllm_rendered.json").read_text(encoding="utf-8"))
+"""What vLLM renders for each model setup and body (scripts/vllm_render_golden.py)."""
 
 WEATHER_TOOL = {
     "type": "function",
@@ -147,3 +163,92 @@ def test_the_llama_fixture_renders_its_real_template(model: tuple[str, Path, Any
     else:
         assert text.startswith("<|im_start|>system\nYou are a careful assistant.")
         assert "<tools>\n" in text and text.endswith("<|im_start|>assistant\n")
+
+
+@dataclass
+class Served:
+    """One of vllm_rendered.json's model setups, as kvgate loads it."""
+
+    config: ModelConfig
+    prompts: PromptTokenizer
+
+
+def tokenizer_dir(setup: dict[str, Any], into: Path) -> Path:
+    """The shipped tokenizer, changed as the setup says (as scripts/vllm_render_golden.py does)."""
+    shutil.copyfile(TOKENIZER_DIR / "tokenizer.json", into / "tokenizer.json")
+    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    for key, value in setup.get("tokenizer_config", {}).items():
+        if key == "chat_template":
+            value = [{"name": entry["name"], "template": (FIXTURES / entry["template"]).read_text(encoding="utf-8")}
+                     for entry in value]
+        config[key] = value
+    (into / "tokenizer_config.json").write_text(json.dumps(config))
+    for relative, source in setup.get("tokenizer_files", {}).items():
+        (into / relative).parent.mkdir(parents=True, exist_ok=True)
+        (into / relative).write_text((FIXTURES / source).read_text(encoding="utf-8"), encoding="utf-8")
+    return into
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Served]]:
+    setups: dict[str, Served] = {}
+    for name, entry in VLLM["models"].items():
+        setup = entry["setup"]
+        directory = tokenizer_dir(setup, tmp_path_factory.mktemp(name))
+        template = str(FIXTURES / setup["chat_template"]) if "chat_template" in setup else None
+        config = ModelConfig(
+            name="m", tokenizer=str(directory), chat_template=template,
+            chat_template_content_format=setup.get("content_format", "auto"),
+            default_chat_template_kwargs=setup.get("default_kwargs", {}),
+        )
+        setups[name] = Served(config, PromptTokenizer([config]))
+    yield setups
+    for setup in setups.values():
+        setup.prompts.close()
+
+
+def messages_prompt(case: str) -> ChatPrompt:
+    """A Messages body as kvgate's Messages parser hands it over: vLLM's conversions of it, in place and merged."""
+    conversion = copy.deepcopy(VLLM["messages"][case])
+    return ChatPrompt(
+        messages=conversion["messages"], add_generation_prompt=True, continue_final_message=False,
+        add_special_tokens=False, chat_template=None, chat_template_kwargs=None, tools=None, documents=None,
+        has_media=False, reasoning_effort=conversion["reasoning_effort"],
+        thinking_disabled=conversion["thinking_disabled"], system_merged=conversion["system_merged"],
+    )
+
+
+async def kvgate_ids(setup: Served, kind: str, case: str) -> list[int]:
+    if kind == "chat":
+        result = await tokenize_body(setup.prompts, "m", "chat", {"model": "m", **copy.deepcopy(VLLM["chat"][case])})
+    else:
+        result = await setup.prompts.tokenize("m", lambda: messages_prompt(case))
+    assert result.source == "local"
+    return result.token_ids.tolist()
+
+
+GOLDEN_CASES = [(model, kind, case) for model, expected in VLLM["expected"].items()
+                for kind in ("chat", "messages") for case in expected[kind]]
+
+
+@pytest.mark.parametrize(("model", "kind", "case"), GOLDEN_CASES)
+async def test_kvgate_renders_what_vllm_renders(served: dict[str, Served], model: str, kind: str, case: str) -> None:
+    expected = VLLM["expected"][model][kind][case]
+    setup = served[model]
+    if "error" in expected:
+        with pytest.raises(PromptError):
+            await kvgate_ids(setup, kind, case)
+        return
+    got = await kvgate_ids(setup, kind, case)
+    assert got == expected["ids"]
+    assert got == expected["transformers_ids"]
+
+
+@pytest.mark.parametrize("model", sorted(VLLM["models"]))
+def test_kvgate_probes_each_template_as_vllm_does(served: dict[str, Served], model: str) -> None:
+    config = served[model].config
+    assert config.tokenizer is not None
+    templates = ModelTokenizer.from_path(config.tokenizer, TemplateSettings.of(config)).templates
+    probes = VLLM["models"][model]
+    assert templates.merges_inline_system == probes["merges_inline_system"]
+    assert templates.disabled_thinking_effort == probes["disabled_thinking_effort"]

@@ -116,9 +116,12 @@ def test_templates_that_loop_over_content_get_parts(model: ModelTokenizer) -> No
 
 def test_chat_template_kwargs_reach_only_variables_the_template_reads(model: ModelTokenizer) -> None:
     template = "{{ messages[0]['content'] }}{% if enable_thinking %}+think{% endif %}{{ add_generation_prompt }}"
-    kwargs = {"enable_thinking": True, "messages": "hijack", "add_generation_prompt": "hijack", "other": 1}
+    kwargs = {"enable_thinking": True, "add_generation_prompt": "hijack", "other": 1}
     assert model.render_chat([{"role": "user", "content": "q"}], chat_template=template,
-                             chat_template_kwargs=kwargs) == "q+thinkTrue"
+                             chat_template_kwargs=kwargs) == "q+thinkTrue"  # the request's own field wins
+    with pytest.raises(TypeError):  # vLLM 0.32 answers 400: "render() got multiple values for ... 'messages'"
+        model.render_chat([{"role": "user", "content": "q"}], chat_template=template,
+                          chat_template_kwargs={"messages": "hijack"})
 
 
 def test_continue_final_message_cuts_after_the_last_message(model: ModelTokenizer) -> None:
@@ -167,9 +170,11 @@ def test_post_processor_special_tokens_wrap_completion_prompts(tmp_path: Any) ->
     assert model.encode("<|endoftext|>hi") == [0, 0, *model.encode("hi", add_special_tokens=False)]  # as HF: no dedupe
 
 
-def test_llama_style_classes_follow_add_bos_and_add_eos(tmp_path: Any) -> None:
+def test_only_the_post_processor_wraps_a_prompt_in_special_tokens(tmp_path: Any) -> None:
+    """Transformers 5 (vLLM 0.32's) ignores add_bos_token / add_eos_token when a tokenizer.json exists: checked with
+    its 5.19 on this tokenizer, as PreTrainedTokenizerFast and as LlamaTokenizerFast."""
     model = write_model(tmp_path, SPEC, tokenizer_class="LlamaTokenizerFast", bos_token="<|endoftext|>",
                         eos_token="<|im_end|>", add_bos_token=True, add_eos_token=True)
-    assert model.encode("x") == [0, *model.encode("x", add_special_tokens=False), 2]
+    assert model.encode("x") == model.encode("x", add_special_tokens=False)
     assert ModelTokenizer.from_path(TOKENIZER_DIR).encode("x") == ModelTokenizer.from_path(TOKENIZER_DIR).encode(
         "x", add_special_tokens=False)
