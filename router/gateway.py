@@ -25,13 +25,14 @@ from kvgate.router.core.metrics import (
     HINT_SERIES,
     INDEX_SERIES,
     INGEST_SERIES,
+    PARITY_SERIES,
     PREFILL_SERIES,
     REPLICATION_SERIES,
     TOKENIZER_SERIES,
     GatewayMetrics,
     ReplicaStateCollector,
 )
-from kvgate.router.core.tenants import TenantResolver
+from kvgate.router.core.tenants import TenantResolver, salt_secret
 from kvgate.router.fleet.attempts import Attempts
 from kvgate.router.fleet.block_sizes import BlockSizes
 from kvgate.router.fleet.discovery import Discovery
@@ -49,15 +50,26 @@ from kvgate.router.routing.handoff.base import Handoffs
 from kvgate.router.routing.handoff.sglang import SglangHandoff
 from kvgate.router.routing.handoff.vllm import VllmHandoff
 from kvgate.router.routing.model_state import ModelStates, RoutingSettings
+from kvgate.router.routing.parity import ParityMonitor
 from kvgate.router.routing.predictions import Predictions
 from kvgate.router.routing.replication import Replication
 from kvgate.router.routing.sessions import SessionMemory
+from kvgate.router.routing.stored_responses import ResponseIds, StoredResponses
 from kvgate.router.routing.transfers import TransferRunner
 from kvgate.router.routing.views import ReplicaViews
 from kvgate.router.settings.holder import ConfigHolder
 from kvgate.router.settings.schema import KvgateConfig
 from kvgate.router.upstream.proxy import Proxy, create_session
 from kvgate.router.upstream.tokenize import EngineTokenizer
+
+
+def response_id_secret(config: KvgateConfig) -> bytes | None:
+    """What response ids are signed with: the tenants' salt secret, else the peer token (both the same on every
+    gateway of a fleet, so a follow-up may reach any of them), else none (a random key of this process)."""
+    if config.tenants.enabled:
+        return salt_secret(config.tenants)
+    token = peer_token(config.server)
+    return token.encode() if token else None
 
 
 def routing_settings(config: KvgateConfig) -> RoutingSettings:
@@ -111,12 +123,15 @@ class Gateway:
                               self.spawn, held=warming)
         self.warm_start = WarmStart(self.session, config.peers, peer_token(config.server), self.instance, self.fleet,
                                     self.ingestor, self.feed, config.discovery)
-        self.tokenize_stage = TokenizeStage(self.catalog, self.models, self.tokenizer)
+        self.parity = ParityMonitor(config.parity, self.metrics)
+        self.stored_responses = StoredResponses(config.responses)
+        self.response_ids = ResponseIds(response_id_secret(config))
+        self.tokenize_stage = TokenizeStage(self.catalog, self.models, self.tokenizer, self.parity)
         self.route_stage = RouteStage(self.catalog, self.index, self.block_sizes, self.views, self.sessions,
                                       self.metrics, config.proxy, rng)
         self.forwarder = Forwarder(self.attempts, self.fleet, self.predictions, self.replication, self.handoffs,
                                    config.proxy)
-        self.accounting = Accounting(self.metrics, self.request_log)
+        self.accounting = Accounting(self.metrics, self.request_log, self.parity)
         self.fleet.listeners.append(self.feed)
         self._register_collectors()
         self.holder.subscribe(self.reconfigure)
@@ -162,6 +177,8 @@ class Gateway:
         self.sglang_handoff.reconfigure(config.transfer)
         self.request_log.reconfigure(config.server.log_requests)
         self.hints.reconfigure(config.peers, config.server)
+        self.parity.reconfigure(config.parity)
+        self.stored_responses.reconfigure(config.responses)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background until it ends or the gateway stops."""
@@ -190,4 +207,5 @@ class Gateway:
         m.add_stats(self.replication.counts, REPLICATION_SERIES)
         m.add_stats(self._block_size_stats, BLOCK_SIZE_SERIES)
         m.add_stats(lambda: self.hints.stats, HINT_SERIES)
+        m.add_stats(self.parity.stats, PARITY_SERIES)
 

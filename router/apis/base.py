@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.router.core.errors import ErrorShape
 from kvgate.router.prompts.prompt import Prompt
 
 
@@ -39,8 +40,10 @@ class Api:
     """Whether the start of a streamed answer holds its first output (the first token, an error, its end)."""
     stream_complete: Callable[[bytes], bool]
     """Whether the tail of a streamed answer holds the stream's own end (a stream cut short lacks it)."""
-    stream_error: Callable[[str, str], bytes]
-    """The events that end a stream already under way with an error (message, code), in the API's own form."""
+    errors: ErrorShape
+    """How the API writes an error: kvgate's refusals, the events that end a stream under way, an engine's errors."""
+    session_of: Callable[[dict[str, Any]], str | None]
+    """A session key the body carries (OpenAI's ``prompt_cache_key``), for a client that sends no session header."""
     usage_of_body: Callable[[bytes], Usage | None]
     """The engine's counts in an answer read whole."""
     usage_of_stream_tail: Callable[[bytes], Usage | None]

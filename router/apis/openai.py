@@ -22,8 +22,9 @@ from typing import Any
 import msgspec
 
 from kvgate.router.apis.base import Api, Usage
-from kvgate.router.core.errors import ApiError
-from kvgate.router.prompts.chat_template import TEXT_PART_FIELDS
+from kvgate.router.apis.fields import chat_template_of, optional, optional_bool
+from kvgate.router.core.errors import OPENAI_ERRORS
+from kvgate.router.prompts.conversation import TEXT_PART_FIELDS
 from kvgate.router.prompts.prompt import ChatPrompt, CompletionPrompt, PromptError, is_token_id
 
 MAX_HELD_BYTES = 65536
@@ -36,12 +37,11 @@ MEDIA_PART_TYPES = frozenset(
 """Content parts only the engine can turn into tokens (it inserts model-specific placeholder tokens)."""
 
 
-
 def parse_completion(body: dict[str, Any]) -> CompletionPrompt:
     """The prompt of a ``/v1/completions`` body: a string, token ids, or a batch of either (first one routed)."""
     if not isinstance(body, dict):
         raise PromptError("the request body must be a JSON object")
-    add_special_tokens = _optional_bool(body, "add_special_tokens", True)
+    add_special_tokens = optional_bool(body, "add_special_tokens", True)
     prompt = body.get("prompt")
     if prompt is None:
         raise PromptError("'prompt' is required", "prompt")
@@ -62,7 +62,6 @@ def parse_completion(body: dict[str, Any]) -> CompletionPrompt:
     )
 
 
-
 def parse_chat(body: dict[str, Any]) -> ChatPrompt:
     """The messages and template options of a ``/v1/chat/completions`` body, validated as vLLM validates them."""
     if not isinstance(body, dict):
@@ -75,30 +74,51 @@ def parse_chat(body: dict[str, Any]) -> ChatPrompt:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise PromptError(f"messages[{i}] must be an object with a string 'role'", f"messages.{i}")
         has_media |= _check_content(message.get("content"), f"messages.{i}.content")
-    add_generation_prompt = _optional_bool(body, "add_generation_prompt", True)
-    continue_final_message = _optional_bool(body, "continue_final_message", False)
+    add_generation_prompt = optional_bool(body, "add_generation_prompt", True)
+    continue_final_message = optional_bool(body, "continue_final_message", False)
     if add_generation_prompt and continue_final_message:
         raise PromptError(
             "cannot set both 'continue_final_message' and 'add_generation_prompt' to true", "continue_final_message"
         )
-    kwargs = _optional(body, "chat_template_kwargs", dict)
-    chat_template = _optional(body, "chat_template", str)
-    if chat_template is None and kwargs is not None and kwargs.get("chat_template") is not None:
-        chat_template = kwargs["chat_template"]  # vLLM takes a template from either place
-        if not isinstance(chat_template, str):
-            raise PromptError("'chat_template_kwargs.chat_template' must be a string", "chat_template_kwargs")
+    kwargs = optional(body, "chat_template_kwargs", dict)
+    chat_template = chat_template_of(body, kwargs)
     return ChatPrompt(
-        messages=messages,
+        messages=[validated_message(m) for m in messages],
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
-        add_special_tokens=_optional_bool(body, "add_special_tokens", False),
+        add_special_tokens=optional_bool(body, "add_special_tokens", False),
         chat_template=chat_template,
         chat_template_kwargs=kwargs,
-        tools=engine_tools(_optional(body, "tools", list)),
-        documents=_optional(body, "documents", list),
+        tools=engine_tools(optional(body, "tools", list)),
+        documents=optional(body, "documents", list),
         has_media=has_media,
+        reasoning_effort=optional(body, "reasoning_effort", str),
     )
 
+
+def _in_order(value: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``value`` with ``keys`` first, in that order, then its other keys as they came."""
+    return {**{k: value[k] for k in keys if k in value}, **{k: v for k, v in value.items() if k not in keys}}
+
+
+def validated_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message's tool calls as vLLM's request validation hands them on: the openai types' keys in their order
+    (``{id, function: {arguments, name}, type}``), other keys after them. A template that dumps a call whole
+    (Mistral's ``tool_call.function | tojson``) renders that order; the message is otherwise the client's."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not any(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              for c in calls):
+        return message
+    ordered = []
+    for call in calls:
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            call = _in_order({**call, "function": _in_order(call["function"], FUNCTION_KEYS)}, TOOL_CALL_KEYS)
+        ordered.append(call)
+    return {**message, "tool_calls": ordered}
+
+
+TOOL_CALL_KEYS = ("id", "function", "type")
+FUNCTION_KEYS = ("arguments", "name")
 
 
 def _check_content(content: Any, param: str) -> bool:
@@ -116,6 +136,8 @@ def _check_content(content: Any, param: str) -> bool:
             raise PromptError("a content part must be a string or an object with a string 'type'", f"{param}.{j}")
         if part_type in MEDIA_PART_TYPES:
             has_media = True
+        elif part_type == "tool_reference":
+            continue
         elif part_type in TEXT_PART_FIELDS:
             text = part.get(TEXT_PART_FIELDS[part_type])  # type: ignore[index]
             if text is not None and not isinstance(text, str):
@@ -123,25 +145,6 @@ def _check_content(content: Any, param: str) -> bool:
         else:
             raise PromptError(f"unsupported content part type {part_type!r}", f"{param}.{j}.type")
     return has_media
-
-
-
-def _optional_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise PromptError(f"'{name}' must be a boolean", name)
-    return value
-
-
-
-def _optional(body: dict[str, Any], name: str, kind: type) -> Any:
-    value = body.get(name)
-    if value is not None and not isinstance(value, kind):
-        raise PromptError(f"'{name}' must be {'an object' if kind is dict else f'a {kind.__name__}'}", name)
-    return value
-
 
 
 def engine_tools(tools: list[Any] | None) -> list[Any] | None:
@@ -173,8 +176,6 @@ def engine_tools(tools: list[Any] | None) -> list[Any] | None:
             entry["defer_loading"] = defer
         dumped.append(entry)
     return dumped
-
-
 
 
 def max_tokens(body: dict[str, Any]) -> int | None:
@@ -233,11 +234,6 @@ def stream_complete(tail: bytes) -> bool:
     return b"[DONE]" in tail
 
 
-def stream_error(message: str, code: str) -> bytes:
-    """The error as the last events of an SSE stream that already started (OpenAI's streaming error form)."""
-    return ApiError(502, message, code=code).sse_event()
-
-
 class _UsageDetails(msgspec.Struct):
     cached_tokens: int | None = None
 
@@ -286,6 +282,13 @@ def _usage(carrier: _UsageCarrier) -> Usage | None:
     return Usage(u.prompt_tokens, u.completion_tokens, cached)
 
 
+def prompt_cache_key(body: dict[str, Any]) -> str | None:
+    """OpenAI's ``prompt_cache_key``: the key a client gives the requests that share a prefix (Codex sends its
+    conversation's), used as their session when no session header came."""
+    key = body.get("prompt_cache_key")
+    return key if isinstance(key, str) and key else None
+
+
 def prefill_only(body: dict[str, Any]) -> dict[str, Any]:
     """Same prompt, one token, not streamed (vLLM's own disaggregation proxy sends its first leg so)."""
     leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
@@ -303,13 +306,13 @@ def not_streamed(body: dict[str, Any]) -> dict[str, Any]:
 
 CHAT = Api(
     name="chat", path="/v1/chat/completions", prompt_param="messages", prompt=parse_chat, max_tokens=max_tokens,
-    holds_output=holds_output, stream_complete=stream_complete, stream_error=stream_error,
+    holds_output=holds_output, stream_complete=stream_complete, errors=OPENAI_ERRORS, session_of=prompt_cache_key,
     usage_of_body=usage_of_body, usage_of_stream_tail=usage_of_stream_tail, prefill_only=prefill_only,
     not_streamed=not_streamed,
 )
 COMPLETIONS = Api(
     name="completions", path="/v1/completions", prompt_param="prompt", prompt=parse_completion,
-    max_tokens=max_tokens, holds_output=holds_output, stream_complete=stream_complete, stream_error=stream_error,
-    usage_of_body=usage_of_body, usage_of_stream_tail=usage_of_stream_tail, prefill_only=prefill_only,
-    not_streamed=not_streamed,
+    max_tokens=max_tokens, holds_output=holds_output, stream_complete=stream_complete, errors=OPENAI_ERRORS,
+    session_of=prompt_cache_key, usage_of_body=usage_of_body, usage_of_stream_tail=usage_of_stream_tail,
+    prefill_only=prefill_only, not_streamed=not_streamed,
 )

@@ -1,11 +1,11 @@
 """Operator endpoints under ``/admin``: list, add, drain, undrain and remove replicas, and reload the policy file.
+The replica list also says, per model, whether kvgate's token counts agree with the engines' (the parity monitor).
 
 All of them need ``Authorization: Bearer <admin token>`` (``server.admin_token``, or env ``KVGATE_ADMIN_TOKEN``; see
-:mod:`kvgate.router.core.auth`); with no token configured the admin surface does not exist (404), so a forgotten setting never
-leaves it open. Bodies are
-read and validated here rather than by FastAPI's parameter binding, so the token is checked before anything about the
-body is revealed, within the same deadline as every body and :data:`MAX_ADMIN_BODY_BYTES`, and errors come back in
-OpenAI's shape like every other kvgate error.
+:mod:`kvgate.router.core.auth`); with no token configured the admin surface does not exist (404), so a forgotten setting
+never leaves it open. Bodies are read and validated here rather than by FastAPI's parameter binding, so the token is
+checked before anything about the body is revealed, within the same deadline as every body and
+:data:`MAX_ADMIN_BODY_BYTES`, and errors come back in OpenAI's shape like every other kvgate error.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvgate.router.fleet.config import ReplicaConfig
 from kvgate.router.fleet.replica import Replica
 from kvgate.router.fleet.state import Fleet
 from kvgate.router.pipeline.bodies import parse_body, read_body
+from kvgate.router.routing.parity import ParityMonitor
 from kvgate.router.settings.holder import ConfigHolder
 from kvgate.router.settings.schema import format_validation_error
 
@@ -29,7 +30,7 @@ MAX_ADMIN_BODY_BYTES = 65536
 """An admin body is one replica's settings: far less than this."""
 
 
-def build_admin_router(fleet: Fleet, holder: ConfigHolder) -> APIRouter:
+def build_admin_router(fleet: Fleet, holder: ConfigHolder, parity: ParityMonitor) -> APIRouter:
     router = APIRouter(prefix="/admin")
 
     def authorize(request: Request) -> None:
@@ -45,7 +46,13 @@ def build_admin_router(fleet: Fleet, holder: ConfigHolder) -> APIRouter:
     @router.get("/replicas")
     async def list_replicas(request: Request) -> JSONResponse:
         authorize(request)
-        return JSONResponse({"object": "list", "data": [replica_status(fleet, r) for r in fleet.replicas.values()]})
+        models = parity.state()
+        data = []
+        for replica in fleet.replicas.values():
+            status = replica_status(fleet, replica)
+            status["parity"] = {m: models[m]["trusted"] for m in status["models"] if m in models}
+            data.append(status)
+        return JSONResponse({"object": "list", "data": data, "parity": models})
 
     @router.post("/replicas")
     async def add_replica(request: Request) -> JSONResponse:

@@ -21,10 +21,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvgate.router.apis.anthropic import COUNT_TOKENS, MESSAGES
+from kvgate.router.apis.base import Api
 from kvgate.router.apis.openai import CHAT, COMPLETIONS
+from kvgate.router.apis.responses import RESPONSES
 from kvgate.router.app.admin import build_admin_router
 from kvgate.router.core.errors import ApiError, install_error_handlers, unexpected_error
 from kvgate.router.endpoints.callers import Callers
+from kvgate.router.endpoints.count_tokens import CountTokens
 from kvgate.router.endpoints.events import EventIngest
 from kvgate.router.endpoints.explain import Explain
 from kvgate.router.endpoints.generate import Generate
@@ -32,6 +36,7 @@ from kvgate.router.endpoints.info import Info
 from kvgate.router.endpoints.passthrough import Passthrough
 from kvgate.router.endpoints.peer_snapshot import PeerSnapshot
 from kvgate.router.endpoints.proxied import ProxiedRequests
+from kvgate.router.endpoints.responses import Responses
 from kvgate.router.gateway import Gateway
 from kvgate.router.peers.warm_start import INSTANCE_HEADER
 from kvgate.router.pipeline.admit import ClientHeaders
@@ -85,11 +90,22 @@ class Flows:
         callers = Callers(g.tenants, holder)
         proxied = ProxiedRequests(holder, g.tenants, callers, g.catalog, g.forwarder, g.accounting)
         self.generate = Generate(proxied, g.tokenize_stage, g.route_stage)
+        self.count_tokens = CountTokens(proxied, g.tokenize_stage, g.route_stage)
+        self.responses = Responses(holder, proxied, g.tokenize_stage, g.route_stage, g.fleet, g.response_ids,
+                                   g.stored_responses, g.session, g.spawn)
         self.passthrough = Passthrough(proxied, g.route_stage)
-        self.explain = Explain(holder, callers, g.catalog, g.tokenize_stage, g.route_stage, g.index.generation)
+        self.explain = Explain(holder, callers, g.catalog, g.tokenize_stage, g.route_stage, g.index.generation,
+                               g.parity)
         self.events = EventIngest(holder, callers, g.ingestor)
         self.peer_snapshot = PeerSnapshot(holder, callers, g.fleet, g.ingestor, g.subscriptions, g.warm_start)
         self.info = Info(callers, g.fleet, g.warm_start, g.metrics)
+
+
+PASSTHROUGH_PATHS = (
+    "/v1/embeddings", "/tokenize", "/detokenize", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",
+    "/pooling", "/classify", "/v1/audio/transcriptions", "/v1/audio/translations",
+)
+"""Engine endpoints with no prompt prefix worth routing for: sent to the least-loaded replica as they are."""
 
 
 def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
@@ -102,7 +118,7 @@ def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         flows.append(Flows(gateway))
-        app.include_router(build_admin_router(gateway.fleet, holder))
+        app.include_router(build_admin_router(gateway.fleet, holder, gateway.parity))
         try:
             yield
         finally:
@@ -111,22 +127,42 @@ def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
 
-    async def chat_completions(request: Request) -> Response:
-        return await flows[0].generate(request, CHAT)
+    def generate(api: Api) -> Handler:
+        async def endpoint(request: Request) -> Response:
+            return await flows[0].generate(request, api)
+        return endpoint
 
-    async def completions(request: Request) -> Response:
-        return await flows[0].generate(request, COMPLETIONS)
+    def passthrough(path: str) -> Handler:
+        async def endpoint(request: Request) -> Response:
+            return await flows[0].passthrough(request, path)
+        return endpoint
 
-    async def embeddings(request: Request) -> Response:
-        return await flows[0].passthrough(request, "/v1/embeddings")
+    async def count_tokens(request: Request) -> Response:
+        return await flows[0].count_tokens(request)
+
+    async def create_response(request: Request) -> Response:
+        return await flows[0].responses.create(request)
 
     proxied: dict[str, Handler] = {
-        "/v1/chat/completions": chat_completions,
-        "/v1/completions": completions,
-        "/v1/embeddings": embeddings,
+        **{api.path: generate(api) for api in (CHAT, COMPLETIONS, MESSAGES)},
+        COUNT_TOKENS.path: count_tokens,
+        RESPONSES.path: create_response,
+        **{path: passthrough(path) for path in PASSTHROUGH_PATHS},
     }
     for path, handler in proxied.items():  # FastAPI's routes answer these paths' other methods (405)
         app.add_api_route(path, handler, methods=["POST"])
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await flows[0].responses.by_id(request, response_id, "get")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await flows[0].responses.by_id(request, response_id, "delete")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await flows[0].responses.by_id(request, response_id, "cancel")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -142,7 +178,8 @@ def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(flows[0].info.metrics_text(request.headers.get("authorization")), media_type=CONTENT_TYPE_LATEST)
+        text = flows[0].info.metrics_text(request.headers.get("authorization"))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/kvgate/v1/peer/snapshot")
     async def peer_snapshot(request: Request) -> Response:

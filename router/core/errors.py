@@ -1,15 +1,18 @@
-"""kvgate's errors: OpenAI-style error answers, and the error of a policy file that cannot be used.
+"""kvgate's errors: error answers in each API's own shape, and the error of a policy file that cannot be used.
 
 Client mistakes (bad JSON, missing fields, unknown model, too large, bad key) raise :class:`ApiError` anywhere on the
-request path; one exception handler turns it into ``{"error": {"message", "type", "param", "code"}}``, so every
-client SDK shows kvgate's errors the way it shows OpenAI's. Framework errors (unknown route, wrong method, admin body
-validation) get the same shape, so no client ever sees a bare HTML or FastAPI-style error, and an unexpected bug is
+request path. The flow that knows the request's API answers it in that API's :class:`ErrorShape` (OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` by default, :data:`OPENAI_ERRORS`), so every client SDK shows
+kvgate's errors the way it shows its provider's. Framework errors (unknown route, wrong method, admin body
+validation) get OpenAI's shape, so no client ever sees a bare HTML or FastAPI-style error, and an unexpected bug is
 a 500 in the same shape rather than a dropped connection.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -66,12 +69,26 @@ class ApiError(Exception):
     def encoded(self) -> bytes:
         return msgspec.json.encode(self.body())
 
-    def response(self, headers: dict[str, str] | None = None) -> Response:
-        return Response(self.encoded(), status_code=self.status, headers=headers, media_type="application/json")
+    def response(self, headers: dict[str, str] | None = None, shape: ErrorShape | None = None) -> Response:
+        """The error as an answer, in ``shape`` (an API's; OpenAI's when None)."""
+        body = self.encoded() if shape is None else shape.body(self)
+        return Response(body, status_code=self.status, headers=headers, media_type="application/json")
 
-    def sse_event(self) -> bytes:
-        """The error as the last events of an SSE stream that already started (OpenAI's streaming error form)."""
-        return b"data: " + self.encoded() + b"\n\ndata: [DONE]\n\n"
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """How one API writes an error: as an answer's body, as the events that end a stream already under way, and what
+    an engine's own error answer becomes (the engine may use another API's shape, or none)."""
+
+    body: Callable[[ApiError], bytes]
+    stream_events: Callable[[ApiError], bytes]
+    from_engine: Callable[[int, bytes, str | None], tuple[bytes, str]]
+    """(status, body, content type) of an engine's error answer → the body and content type the client gets."""
+
+
+def _openai_stream_events(err: ApiError) -> bytes:
+    """OpenAI's streaming error form: an error event, then the stream's end."""
+    return b"data: " + err.encoded() + b"\n\ndata: [DONE]\n\n"
 
 
 async def _api_error(_: Request, exc: Exception) -> Response:
@@ -101,6 +118,10 @@ def as_json_error(status: int, body: bytes, content_type: str | None) -> tuple[b
         return body, content_type
     err = ApiError(status, f"the upstream replica answered {status}", code="upstream_error")
     return err.encoded(), "application/json"
+
+
+OPENAI_ERRORS = ErrorShape(body=ApiError.encoded, stream_events=_openai_stream_events, from_engine=as_json_error)
+"""OpenAI's error shape: chat completions, completions, Responses, embeddings, and kvgate's own endpoints."""
 
 
 def unexpected_error(exc: BaseException) -> Response:

@@ -118,6 +118,16 @@ class GatewayMetrics:
             "completion by the cost model from the engine's usage cached tokens (the index's match when the "
             "response carried no usage).", registry=r,
         )
+        self.parity_prompt = LabelledChildren(Counter(
+            "kvgate_parity_prompt_tokens", "Answered requests whose prompt kvgate tokenized itself, by model, API and "
+            "whether its prompt token count equals the engine's (match, mismatch): a mismatch means its block keys "
+            "are not the engine's.", ["model", "api", "result"], registry=r,
+        ))
+        self.parity_cached = LabelledChildren(Counter(
+            "kvgate_parity_cached_tokens", "Answered requests whose engine reported cached tokens, by model, API and "
+            "how kvgate's credit compared (match within a block; credited_not_reused: kvgate counted on a cache the "
+            "engine did not use; reused_not_credited).", ["model", "api", "result"], registry=r,
+        ))
         self.warmup_tokens = Counter(
             "kvgate_warmup_tokens", "Prompt tokens prefilled by hot-prefix warm-ups (work spent on replication).",
             registry=r,
@@ -280,10 +290,16 @@ PREFILL_SERIES = (
            "million token pairs (long contexts), by model.", label="model"),
 )
 BLOCK_SIZE_SERIES = (
-    Series("kvgate_replica_block_size", "block_size", "gauge", "KV block size (tokens) a replica's lookups are keyed with: "
+    Series("kvgate_replica_block_size", "block_size", "gauge", "KV block size (tokens) a replica's lookups are keyed "
+           "with: "
            "its events' or scraped cache_config_info's, else the policy file's.", label="replica"),
     Series("kvgate_block_size_mismatch", "mismatch", "gauge", "1 while a replica's engine uses another block size "
            "than the policy file states for its model (the engine's is used).", label="replica"),
+)
+PARITY_SERIES = (
+    Series("kvgate_parity_trusted", "trusted", "gauge", "1 while kvgate trusts its exact block keys for a model; 0 "
+           "once its prompt token counts disagree with the engine's persistently (routed as approximate then).",
+           label="model"),
 )
 REPLICATION_SERIES = (
     Series("kvgate_replication_started", "started", "counter", "Hot-prefix warm-ups started, by reason.",

@@ -72,7 +72,8 @@ class TenantResolver:
         key = bearer_token(authorization)
         if key is None:
             raise AuthError(
-                "Missing API key: send it as 'Authorization: Bearer <key>'.", code="missing_api_key"
+                "Missing API key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+                code="missing_api_key",
             )
         presented = hashlib.sha256(key.encode()).digest()
         tenant: str | None = None

@@ -1,5 +1,5 @@
-"""``POST /kvgate/v1/explain``: a completions or chat body routed without being sent (admit → parse → tokenize →
-route), answered with the decision and the numbers behind it, per replica (:func:`explain_body`); a tenant sees only
+"""``POST /kvgate/v1/explain``: a body of any routed API (``?api=``) routed without being sent (admit → parse → tokenize
+→ route), answered with the decision and the numbers behind it, per replica (:func:`explain_body`); a tenant sees only
 the part of it that is its own (:func:`tenant_view`)."""
 
 from __future__ import annotations
@@ -11,13 +11,18 @@ from typing import Any
 from starlette.requests import Request
 
 from kvgate.policies.explain import explain_replicas
+from kvgate.router.apis.anthropic import MESSAGES
+from kvgate.router.apis.base import Api
 from kvgate.router.apis.openai import CHAT, COMPLETIONS
+from kvgate.router.apis.responses import RESPONSES
+from kvgate.router.core.errors import ApiError
 from kvgate.router.endpoints.callers import Callers
 from kvgate.router.pipeline.admit import Admission, check_client_ids, read_within_limits
 from kvgate.router.pipeline.parse import parse, salt_for_tenant
 from kvgate.router.pipeline.route import RouteStage
 from kvgate.router.pipeline.tokenize import TokenizeStage
 from kvgate.router.routing.catalog import ModelCatalog
+from kvgate.router.routing.parity import ParityMonitor
 from kvgate.router.routing.records import Routed
 from kvgate.router.settings.holder import ConfigHolder
 
@@ -25,7 +30,7 @@ from kvgate.router.settings.holder import ConfigHolder
 class Explain:
     def __init__(
         self, holder: ConfigHolder, callers: Callers, catalog: ModelCatalog, tokenize: TokenizeStage,
-        route: RouteStage, generation_of: Callable[[str], int | None],
+        route: RouteStage, generation_of: Callable[[str], int | None], parity: ParityMonitor,
     ) -> None:
         self.holder = holder
         self.callers = callers
@@ -34,6 +39,7 @@ class Explain:
         self.route = route
         self.generation_of = generation_of
         """The index's generation of a replica (None when the index does not track it)."""
+        self.parity = parity
 
     async def __call__(self, request: Request) -> dict[str, Any]:
         admission = Admission.of(request.scope)
@@ -43,13 +49,28 @@ class Explain:
         raw = await read_within_limits(request, config.server, config.limits)
         may_use = (lambda model: True) if full else self.callers.may_use(admission.tenant)
         parsed = parse(raw, None, self.catalog, may_use)
-        parsed.api = CHAT if "messages" in parsed.body else COMPLETIONS
+        parsed.api = api_of(request.query_params.get("api"), parsed.body)
         parsed.max_tokens = parsed.api.max_tokens(parsed.body)
         parsed = salt_for_tenant(parsed, self.callers.tenants, admission.tenant)
         prompt = await self.tokenize.tokenize(parsed)
         routed = self.route.route(prompt, admission, parsed.stream, explain=True)
         explained = explain_body(routed, config.policy.name, self.generation_of)
+        explained["parity"] = self.parity.state().get(prompt.base_model, {"trusted": True})
         return explained if full else tenant_view(explained)
+
+
+EXPLAINED_APIS: dict[str, Api] = {api.name: api for api in (CHAT, COMPLETIONS, MESSAGES, RESPONSES)}
+
+
+def api_of(name: str | None, body: dict[str, Any]) -> Api:
+    """The API a body to explain speaks: ``?api=`` (chat, completions, messages, responses), else its shape (``input``:
+    Responses; ``messages``: chat completions; else completions)."""
+    if name is not None:
+        api = EXPLAINED_APIS.get(name)
+        if api is None:
+            raise ApiError(400, f"api must be one of {', '.join(EXPLAINED_APIS)}", param="api", code="invalid_value")
+        return api
+    return RESPONSES if "input" in body else CHAT if "messages" in body else COMPLETIONS
 
 
 def explain_body(routed: Routed, policy: str, generation_of: Callable[[str], int | None]) -> dict[str, Any]:
@@ -126,7 +147,8 @@ def tenant_view(explained: dict[str, Any]) -> dict[str, Any]:
     figure that moves with another tenant's traffic (load, calibration, ``route_ms``)."""
     decision = explained["decision"]
     return {
-        **{k: v for k, v in explained.items() if k not in ("decision", "replicas", "cost_model", "route_ms")},
+        **{k: v for k, v in explained.items() if k not in ("decision", "replicas", "cost_model", "route_ms", "parity")},
+        "parity": {"trusted": explained["parity"]["trusted"]},
         "decision": {k: decision[k] for k in TENANT_DECISION_FIELDS},
         "replicas": [{k: row[k] for k in TENANT_REPLICA_FIELDS} for row in explained["replicas"]],
     }

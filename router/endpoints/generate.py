@@ -1,5 +1,5 @@
-"""Generation: chat completions and completions (every API whose prompt kvgate routes), as one flow:
-admit → parse → tokenize → route → forward → relay → account."""
+"""Generation: every API whose prompt kvgate routes (chat completions, completions, Anthropic Messages), as one flow:
+admit → parse → tokenize → route → forward → relay → account. A refusal is answered in the API's own error shape."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from starlette.responses import Response
 from kvgate.router.apis.base import Api
 from kvgate.router.core.errors import ApiError
 from kvgate.router.endpoints.proxied import ProxiedRequests
+from kvgate.router.pipeline.admit import Admission
 from kvgate.router.pipeline.route import RouteStage
 from kvgate.router.pipeline.tokenize import TokenizeStage
 
@@ -20,10 +21,11 @@ class Generate:
         self.route = route
 
     async def __call__(self, request: Request, api: Api) -> Response:
-        admitted = await self.proxied.admit(request, api)
+        admission = Admission.of(request.scope)
         try:
+            admitted = await self.proxied.admit(request, api, admission)
             prompt = await self.tokenize.tokenize(admitted.parsed)
-            routed = self.route.route(prompt, admitted.admission, admitted.parsed.stream)
+            routed = self.route.route(prompt, admission, admitted.parsed.stream)
         except ApiError as e:
-            raise self.proxied.refused(admitted, e) from None
+            return self.proxied.refuse(e, admission, api)
         return await self.proxied.answer(request, api.path, admitted, routed)

@@ -1,5 +1,6 @@
-"""Passthrough: requests with no prompt prefix to match (embeddings), as one flow: admit → parse → the least-loaded
-replica → forward → relay → account, the body unchanged."""
+"""Passthrough: requests with no prompt prefix to match (embeddings, rerank, scoring, pooling, tokenizing, audio
+transcription), as one flow: admit → read the model → the least-loaded replica → forward → relay → account, the body
+unchanged (multipart uploads included)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from starlette.responses import Response
 
 from kvgate.router.core.errors import ApiError
 from kvgate.router.endpoints.proxied import ProxiedRequests
+from kvgate.router.pipeline.admit import Admission
 from kvgate.router.pipeline.route import RouteStage
+
+MODEL_OPTIONAL = frozenset({"/tokenize", "/detokenize"})
+"""Paths whose engine takes its own model when the body names none."""
 
 
 class Passthrough:
@@ -17,9 +22,10 @@ class Passthrough:
         self.route = route
 
     async def __call__(self, request: Request, path: str) -> Response:
-        admitted = await self.proxied.admit(request, None)
+        admission = Admission.of(request.scope)
         try:
-            routed = self.route.route_least_loaded(admitted.parsed.model, admitted.admission)
+            admitted = await self.proxied.admit_forwarded(request, admission, model_optional=path in MODEL_OPTIONAL)
+            routed = self.route.route_least_loaded(admitted.parsed.model, admission)
         except ApiError as e:
-            raise self.proxied.refused(admitted, e) from None
+            return self.proxied.refuse(e, admission, None)
         return await self.proxied.answer(request, path, admitted, routed)

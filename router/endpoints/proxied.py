@@ -1,6 +1,6 @@
 """What every proxied flow shares, so the flows cannot drift apart: admitting a request (who asks, within the limits,
-its body parsed by its API), and forwarding it as decided, relaying the answer and accounting for it (every proxied
-request writes exactly one request log line)."""
+its body parsed by its API), refusing one in its API's own error shape, and forwarding it as decided, relaying the
+answer and accounting for it (every proxied request writes exactly one request log line)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ from kvgate.router.apis.base import Api
 from kvgate.router.core.errors import ApiError
 from kvgate.router.core.tenants import TenantResolver
 from kvgate.router.endpoints.callers import Callers
-from kvgate.router.pipeline.account import Accounting
+from kvgate.router.pipeline.account import Accounting, Answered
 from kvgate.router.pipeline.admit import (
     Admission, check_client_ids, read_within_limits, resolve_tenant, upstream_headers,
 )
 from kvgate.router.pipeline.forward import Forwarder
-from kvgate.router.pipeline.parse import Parsed, parse, salt_for_tenant
+from kvgate.router.pipeline.parse import Parsed, parse, parse_forwarded, salt_for_tenant
 from kvgate.router.pipeline.relay import relay
 from kvgate.router.routing.catalog import ModelCatalog
 from kvgate.router.routing.records import Routed
 from kvgate.router.settings.holder import ConfigHolder
 from kvgate.router.upstream.proxy import AttemptFailed
-
 
 @dataclass(slots=True)
 class Admitted:
@@ -47,42 +46,62 @@ class ProxiedRequests:
         self.forwarder = forwarder
         self.accounting = accounting
 
-    async def admit(self, request: Request, api: Api | None) -> Admitted:
+    async def admit(self, request: Request, api: Api, admission: Admission) -> Admitted:
         """Admit and parse: the tenant from the API key, client ids within bounds, the body within the limits and
-        parsed by ``api`` (None: forwarded as it is), the tenant's cache salt set. Raises :class:`ApiError`, counted
-        and logged as a refusal."""
-        admission = Admission.of(request.scope)
-        try:
-            return await self._admitted(request, api, admission)
-        except ApiError as e:
-            self.accounting.rejected(e, admission)
-            raise
-
-    async def _admitted(self, request: Request, api: Api | None, admission: Admission) -> Admitted:
-        config = self.holder.current
-        tenants = self.tenants
-        admission.tenant = resolve_tenant(tenants, admission.client.authorization)
-        check_client_ids(admission.client, config.limits)
-        raw = await read_within_limits(request, config.server, config.limits)
-        headers = upstream_headers(admission.client, admission.request_id, tenants.enabled)
-        parsed = parse(raw, api, self.catalog, self.callers.may_use(admission.tenant))
-        if api is not None:
-            parsed = salt_for_tenant(parsed, tenants, admission.tenant)
+        parsed by ``api``, the tenant's cache salt set, and a session from the body when no header named one.
+        Raises :class:`ApiError`."""
+        raw, headers = await self._read(request, admission, json=True)
+        parsed = parse(raw, api, self.catalog, self.callers.may_use(admission.tenant),
+                       self.holder.current.limits.max_id_chars)
+        parsed = salt_for_tenant(parsed, self.tenants, admission.tenant)
+        if admission.client.session_id is None:
+            admission.client.session_id = parsed.session_id
         return Admitted(admission, parsed, headers)
 
-    def refused(self, admitted: Admitted, err: ApiError) -> ApiError:
-        """A refusal after parsing (no replica, a prompt the engine would refuse), counted and logged."""
-        self.accounting.rejected(err, admitted.admission)
-        return err
+    async def admit_forwarded(self, request: Request, admission: Admission, *, model_optional: bool) -> Admitted:
+        """Admit a body forwarded as it is (embeddings, rerank, an audio upload): read only for its model, and sent
+        with the client's own content type."""
+        content_type = request.headers.get("content-type")
+        is_json = content_type is None or "json" in content_type.lower()
+        raw, headers = await self._read(request, admission, json=is_json)
+        parsed = parse_forwarded(raw, content_type, self.catalog, self.callers.may_use(admission.tenant),
+                                 model_optional=model_optional)
+        if content_type is not None:
+            headers["content-type"] = content_type
+        return Admitted(admission, parsed, headers)
 
-    async def answer(self, request: Request, path: str, admitted: Admitted, routed: Routed) -> Response:
-        """Forward as ``routed`` says, relay the answer (streamed as asked), account for it."""
+    async def admit_bodiless(self, request: Request, admission: Admission) -> Admitted:
+        """Admit a request that carries no body to read (a GET, a DELETE): who asks, within the limits."""
+        raw, headers = await self._read(request, admission, json=True)
+        if raw:
+            raise ApiError(400, "this request takes no body", code="invalid_body")
+        return Admitted(admission, Parsed(raw, {}, "", False, None, None), headers)
+
+    async def _read(self, request: Request, admission: Admission, *, json: bool) -> tuple[bytes, dict[str, str]]:
+        config = self.holder.current
+        admission.tenant = resolve_tenant(self.tenants, admission.client.authorization)
+        check_client_ids(admission.client, config.limits)
+        raw = await read_within_limits(request, config.server, config.limits, json=json)
+        return raw, upstream_headers(admission.client, admission.request_id, self.tenants.enabled)
+
+    def refuse(self, err: ApiError, admission: Admission, api: Api | None) -> Response:
+        """A refusal (auth, limits, a bad body or prompt, no replica), counted, logged and answered in ``api``'s
+        error shape."""
+        self.accounting.rejected(err, admission, api)
+        return err.response(shape=api.errors if api is not None else None)
+
+    async def answer(
+        self, request: Request, path: str, admitted: Admitted, routed: Routed, *, method: str = "POST",
+        answered: Answered | None = None,
+    ) -> Response:
+        """Forward as ``routed`` says, relay the answer (streamed as asked), account for it, then tell ``answered``."""
         admission, parsed = admitted.admission, admitted.parsed
+        api = parsed.api
         try:
-            up = await self.forwarder.send(request, path, parsed, routed, admitted.upstream_headers)
+            up = await self.forwarder.send(request, path, parsed, routed, admitted.upstream_headers, method)
         except AttemptFailed as failed:
-            return self.accounting.failed(failed, routed, admission, self.holder.current.proxy.max_attempts)
+            return self.accounting.failed(failed, routed, admission, self.holder.current.proxy.max_attempts, api)
         if up is None:
-            return self.accounting.client_left(routed, admission)
-        finished = functools.partial(self.accounting.answered, routed, admission, parsed.api)
-        return relay(up, parsed.api, admission.request_id, routed.decision.reason, parsed.stream, finished)
+            return self.accounting.client_left(routed, admission, api)
+        finished = functools.partial(self.accounting.answered, routed, admission, api, then=answered)
+        return relay(up, api, admission.request_id, routed.decision.reason, parsed.stream, finished)

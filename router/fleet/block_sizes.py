@@ -10,7 +10,8 @@ request with the block size of each replica it compares, taken from, most author
 3. the policy file's ``models[].block_size``, a default until the engine says otherwise.
 
 A block size the policy file states explicitly and the engine contradicts is logged once per replica and value and
-exported as ``kvgate_block_size_mismatch{replica}`` (1 while they differ; ``kvgate_replica_block_size`` shows the size in use); the engine's value is used.
+exported as ``kvgate_block_size_mismatch{replica}`` (1 while they differ; ``kvgate_replica_block_size`` shows the size
+in use); the engine's value is used.
 """
 
 from __future__ import annotations

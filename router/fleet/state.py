@@ -1,11 +1,11 @@
 """The live replica set: who is up, who is draining, and how busy each replica is right now.
 
-Everything here runs on the gateway's one asyncio loop, so state is plain attributes with no locks. Each replica has
-two background tasks: an active health probe (``/health`` plus a ``/v1/models`` refresh) and a ``/metrics`` scrape.
-Load the gateway causes itself is counted exactly and synchronously: :meth:`Fleet.dispatch` adds a request and its
-uncached prompt tokens, the returned :class:`~kvgate.router.fleet.tickets.LoadTicket` removes the prompt tokens at
-the first token and the request at the end. Scraped engine numbers add what the router cannot see (requests that bypassed it) and are ignored once
-older than ``scrape.stale_after_ms``.
+Everything here runs on the gateway's one asyncio loop, so state is plain attributes with no locks. Each replica has two
+background tasks: an active health probe (``/health`` plus a ``/v1/models`` refresh) and a ``/metrics`` scrape. Load the
+gateway causes itself is counted exactly and synchronously: :meth:`Fleet.dispatch` adds a request and its uncached
+prompt tokens, the returned :class:`~kvgate.router.fleet.tickets.LoadTicket` removes the prompt tokens at the first
+token and the request at the end. Scraped engine numbers add what the router cannot see (requests that bypassed it) and
+are ignored once older than ``scrape.stale_after_ms``.
 
 Listeners hear about replicas appearing, disappearing and being reset; a reset means the replica's cached state is in
 doubt (it was down and came back), so the prefix index forgets what it knew about it. An engine whose scraped process
@@ -373,4 +373,5 @@ class Fleet:
 
 def _same_engine(a: ReplicaConfig, b: ReplicaConfig) -> bool:
     """Same engine and event stream behind both configs (only labels may change in place)."""
-    return (a.url, a.engine, a.kv_events, a.kv_replay, a.kv_topic) == (b.url, b.engine, b.kv_events, b.kv_replay, b.kv_topic)
+    fields = ("url", "engine", "kv_events", "kv_replay", "kv_topic")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)

@@ -6,9 +6,9 @@ hints, a sibling request that reaches another gateway first misses that predicti
 elsewhere. With ``peers.hints``, every gateway publishes each prediction on a ZMQ PUB socket and subscribes to its
 peers': one message ``[2, sent_at, sender, replica, keys]`` (msgpack; keys as packed little-endian uint64s).
 
-At each dispatch, and otherwise when it changed, it also publishes the work it has dispatched per replica,
-``[4, sent_at, sender, [[replica, prefill tokens, requests prefilling, requests per second], ...]]``, which its peers
-add to their own when they estimate a replica's queue and arrival rate (:mod:`kvgate.router.fleet.peer_work`). A gateway of
+At each dispatch, and otherwise when it changed, it also publishes the work it has dispatched per replica, ``[4,
+sent_at, sender, [[replica, prefill tokens, requests prefilling, requests per second], ...]]``, which its peers add to
+their own when they estimate a replica's queue and arrival rate (:mod:`kvgate.router.fleet.peer_work`). A gateway of
 another version speaks another format number: the two ignore each other's reports (counted as dropped) and route on
 their own view.
 

@@ -1,22 +1,27 @@
 """The account stage: what each request did, in the metrics, in its one JSON log line (every proxied request has
-exactly one), and (for a streamed first token) as a sample for the cost model's calibration."""
+exactly one), as a sample for the parity monitor (the engine's counts against kvgate's), and (for a streamed first
+token) as a sample for the cost model's calibration."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from starlette.responses import Response
 
 from kvgate.router.apis.base import Api, Usage
-from kvgate.router.core.errors import ApiError, as_json_error
+from kvgate.router.core.errors import OPENAI_ERRORS, ApiError, ErrorShape
 from kvgate.router.core.logs import RequestLogger
 from kvgate.router.core.metrics import GatewayMetrics
 from kvgate.router.fleet.attempts import Upstream
 from kvgate.router.pipeline.admit import Admission
 from kvgate.router.pipeline.relay import StreamResult, kvgate_headers
+from kvgate.router.routing.parity import ParityMonitor, Sample
 from kvgate.router.routing.records import Routed
 from kvgate.router.upstream.proxy import AttemptFailed
 
+Answered = Callable[[Upstream, StreamResult | None], None]
+"""Told of an answer once it is complete: a stream's result, or None for one read whole."""
 CLIENT_CLOSED = "499"
 """Status recorded for requests whose client left before any answer (nginx's convention)."""
 
@@ -26,61 +31,71 @@ def _elapsed_ms(admission: Admission, until: float | None = None) -> float:
 
 
 class Accounting:
-    def __init__(self, metrics: GatewayMetrics, request_log: RequestLogger) -> None:
+    def __init__(self, metrics: GatewayMetrics, request_log: RequestLogger, parity: ParityMonitor) -> None:
         self.metrics = metrics
         self.request_log = request_log
+        self.parity = parity
 
-    def rejected(self, err: ApiError, admission: Admission) -> None:
+    def rejected(self, err: ApiError, admission: Admission, api: Api | None) -> None:
         """Refused before routing (auth, limits, a bad body or prompt, no replica)."""
         self.metrics.rejections.labels(err.code or str(err.status)).inc()
         self.request_log.request(
-            id=admission.request_id, tenant=admission.tenant, replica=None, decision=None, status=str(err.status),
-            error=err.code, e2e_ms=_elapsed_ms(admission), attempts=0,
+            id=admission.request_id, tenant=admission.tenant, api=api.name if api is not None else None, replica=None,
+            decision=None, status=str(err.status), error=err.code, e2e_ms=_elapsed_ms(admission), attempts=0,
         )
 
-    def failed(self, failed: AttemptFailed, routed: Routed, admission: Admission, attempts: int) -> Response:
-        """Every attempt failed before any byte reached the client: the last engine error as is, else 502/504."""
+    def failed(
+        self, failed: AttemptFailed, routed: Routed, admission: Admission, attempts: int, api: Api | None
+    ) -> Response:
+        """Every attempt failed before any byte reached the client: the last engine error (in the API's shape), else
+        502/504."""
         headers = kvgate_headers(admission.request_id, routed.decision.reason)
+        shape: ErrorShape = api.errors if api is not None else OPENAI_ERRORS
         if failed.status is not None:
             status = failed.status
-            body, media_type = as_json_error(status, failed.body, failed.headers.get("content-type"))
+            body, media_type = shape.from_engine(status, failed.body, failed.headers.get("content-type"))
             response = Response(body, status_code=status, headers=headers, media_type=media_type)
         else:
             err = failed.to_api_error()
             status = err.status
-            response = err.response(headers)
+            response = err.response(headers, shape)
         self.metrics.requests.labels("", str(status), routed.decision.reason).inc()
         self.request_log.request(
-            id=admission.request_id, tenant=routed.request.tenant, replica=None, decision=routed.decision.reason,
-            action=routed.decision.action, prompt_tokens=routed.request.prompt_tokens, status=str(status),
-            error=failed.cause, e2e_ms=_elapsed_ms(admission), attempts=attempts,
+            id=admission.request_id, tenant=routed.request.tenant, api=api.name if api is not None else None,
+            replica=None, decision=routed.decision.reason, action=routed.decision.action,
+            prompt_tokens=routed.request.prompt_tokens, status=str(status), error=failed.cause,
+            e2e_ms=_elapsed_ms(admission), attempts=attempts,
         )
         return response
 
-    def client_left(self, routed: Routed, admission: Admission) -> Response:
+    def client_left(self, routed: Routed, admission: Admission, api: Api | None) -> Response:
         self.metrics.client_disconnects.inc()
         self.metrics.requests.labels("", CLIENT_CLOSED, routed.decision.reason).inc()
         self.request_log.request(
-            id=admission.request_id, tenant=routed.request.tenant, replica=None, decision=routed.decision.reason,
+            id=admission.request_id, tenant=routed.request.tenant, api=api.name if api is not None else None,
+            replica=None, decision=routed.decision.reason,
             action=routed.decision.action, prompt_tokens=routed.request.prompt_tokens, status=CLIENT_CLOSED,
             e2e_ms=_elapsed_ms(admission),
         )
         return Response(status_code=int(CLIENT_CLOSED))
 
     def answered(
-        self, routed: Routed, admission: Admission, api: Api | None, up: Upstream, result: StreamResult | None
+        self, routed: Routed, admission: Admission, api: Api | None, up: Upstream, result: StreamResult | None, *,
+        then: Answered | None = None,
     ) -> None:
         """An answer relayed in full (``result`` for a stream, None for an answer read whole), in ``api``'s form
-        (None: a body kvgate does not read, such as embeddings')."""
+        (None: a body kvgate does not read, such as embeddings'); ``then`` is told of it once it is accounted."""
         if result is None:
             usage = api.usage_of_body(up.body) if up.status == 200 and api is not None else None
-            self.completed(routed, admission, up, up.first_byte_at, usage, "ok", stream=False)
+            self.completed(routed, admission, api, up, up.first_byte_at, usage, "ok", stream=False)
         else:
-            self.completed(routed, admission, up, result.finished_at, result.usage, result.end, stream=True)
+            self.completed(routed, admission, api, up, result.finished_at, result.usage, result.end, stream=True)
+        if then is not None:
+            then(up, result)
 
     def completed(
-        self, routed: Routed, admission: Admission, up: Upstream, finished_at: float, usage: Usage | None, end: str,
-        *, stream: bool,
+        self, routed: Routed, admission: Admission, api: Api | None, up: Upstream, finished_at: float,
+        usage: Usage | None, end: str, *, stream: bool,
     ) -> None:
         request = routed.request
         started = admission.started
@@ -96,7 +111,7 @@ class Accounting:
         m.requests.labels(up.replica, status, routed.decision.reason).inc()
         m.e2e.labels(hit).observe(e2e_ms / 1000.0)
         m.matched_tokens.observe(matched)
-        if end == "ok" and up.status == 200 and routed.routing is not None:
+        if end == "ok" and up.status == 200 and routed.routing is not None and routed.prefills:
             avoided_ms = routed.routing.cost_model.prefill_avoided_ms(
                 request.prompt_tokens, matched if cached is None else cached
             )
@@ -105,15 +120,19 @@ class Accounting:
             m.stream_errors.inc()
         elif end == "client_disconnect":
             m.client_disconnects.inc()
-        if usage is not None:
+        if usage is not None and routed.prefills:
             m.prompt_tokens.inc(usage.prompt_tokens)
             m.cached_tokens.inc(cached or 0)
+        if usage is not None and api is not None and routed.tokenized is not None and routed.routing is not None \
+                and routed.whole:
+            self.parity.observe(parity_sample(routed, api, up.replica, usage))
         if stream:
             m.ttft.labels(hit).observe(ttft_ms / 1000.0)
             if end == "ok" and up.status == 200:
                 calibrate(routed, up.replica, ttft_ms, usage)
         self.request_log.request(
-            id=request.request_id, tenant=request.tenant, model=request.model, replica=up.replica,
+            id=request.request_id, tenant=request.tenant, api=api.name if api is not None else None,
+            model=request.model, replica=up.replica,
             decision=routed.decision.reason, action=routed.decision.action, prompt_tokens=request.prompt_tokens,
             matched_tokens=matched, predicted_tokens=predicted, cached_tokens=cached,
             ttft_ms=round(ttft_ms, 3) if stream else None, e2e_ms=round(e2e_ms, 3), status=status,
@@ -121,11 +140,25 @@ class Accounting:
         )
 
 
+def parity_sample(routed: Routed, api: Api, replica: str, usage: Usage) -> Sample:
+    """The engine's counts of an answered request beside kvgate's: its own count only when it tokenized the (whole,
+    single) prompt itself, and what it credited the replica with."""
+    tokenized = routed.tokenized
+    assert tokenized is not None and routed.routing is not None
+    exact = tokenized.source == "local" and tokenized.prompt_count == 1
+    return Sample(
+        model=routed.routing.config.name, api=api.name, request_id=routed.request.request_id,
+        counted=len(tokenized.token_ids) if exact else None, engine_prompt=usage.prompt_tokens,
+        credited=routed.matched_tokens(replica), engine_cached=usage.cached_tokens,
+        block_size=routed.block_sizes.get(replica, routed.request.block_size),
+    )
+
+
 def calibrate(routed: Routed, replica: str, ttft_ms: float, usage: Usage | None) -> None:
     """A measured first token as a sample for the model's calibrator (bounded, robust fit): the engine's own token
-    counts, or the router's when they are exact. Handoffs (transfers, disaggregated requests) are not prefill samples: their TTFT is a first leg plus a
-    KV pull, and engines do not report pulled tokens as cached, so they would read as a whole prompt prefilled
-    implausibly fast."""
+    counts, or the router's when they are exact. Handoffs (transfers, disaggregated requests) are not prefill samples:
+    their TTFT is a first leg plus a KV pull, and engines do not report pulled tokens as cached, so they would read as
+    a whole prompt prefilled implausibly fast."""
     calibrator = routed.routing.calibrator if routed.routing is not None else None
     if calibrator is None or routed.decision.action != "route":
         return

@@ -22,17 +22,25 @@ def new_request_id() -> str:
     return os.urandom(16).hex()
 
 
-_CLIENT_HEADERS = frozenset((b"x-request-id", b"x-session-id", b"authorization"))
+SESSION_HEADERS = (b"x-session-id", b"x-claude-code-session-id", b"session_id", b"session-id", b"x-session-affinity")
+"""Headers that name the client's session, most specific first: kvgate's and vLLM's own, then what agentic clients
+send (Claude Code's, Codex's and other routers' conventions)."""
+_CLIENT_HEADERS = frozenset((b"x-request-id", b"authorization", b"x-api-key", *SESSION_HEADERS))
 
 
 @dataclass(slots=True)
 class ClientHeaders:
     """The client headers the gateway acts on, read in one pass over the ASGI headers (first value of each, as
-    Starlette's ``Headers.get``, which scans the whole list and raises and catches a KeyError for each one absent)."""
+    Starlette's ``Headers.get``, which scans the whole list and raises and catches a KeyError for each one absent).
+
+    Anthropic's SDKs send their key as ``x-api-key``: without an ``Authorization`` header it stands for
+    ``Authorization: Bearer <key>``, so tenants and engines see one form."""
 
     request_id: str | None = None
     session_id: str | None = None
     authorization: str | None = None
+    session_header: str = "x-session-id"
+    """The header the session id came in."""
 
     @classmethod
     def of(cls, scope: Scope) -> ClientHeaders:
@@ -40,7 +48,11 @@ class ClientHeaders:
         for name, value in scope["headers"]:
             if name in _CLIENT_HEADERS and name not in found:
                 found[name] = value.decode("latin-1")
-        return cls(found.get(b"x-request-id"), found.get(b"x-session-id"), found.get(b"authorization"))
+        header = next((h for h in SESSION_HEADERS if h in found), SESSION_HEADERS[0])
+        authorization = found.get(b"authorization")
+        if authorization is None and b"x-api-key" in found:
+            authorization = f"Bearer {found[b'x-api-key']}"
+        return cls(found.get(b"x-request-id"), found.get(header), authorization, header.decode())
 
 
 @dataclass(slots=True)
@@ -67,19 +79,21 @@ def resolve_tenant(tenants: TenantResolver, authorization: str | None) -> str | 
 
 
 def check_client_ids(client: ClientHeaders, limits: LimitsConfig) -> None:
-    """A client's X-Request-Id or X-Session-ID longer than ``limits.max_id_chars`` is a 400: both are forwarded, and
-    a session id is remembered."""
-    for name, value in (("x-request-id", client.request_id), ("x-session-id", client.session_id)):
+    """A client's request or session id longer than ``limits.max_id_chars`` is a 400: both are forwarded, and a
+    session id is remembered."""
+    for name, value in (("x-request-id", client.request_id), (client.session_header, client.session_id)):
         if value is not None and len(value) > limits.max_id_chars:
             raise ApiError(400, f"the {name} header has {len(value)} characters; the limit is {limits.max_id_chars}",
                            param=name, code="invalid_header")
 
 
-async def read_within_limits(request: Request, server: ServerConfig, limits: LimitsConfig) -> bytes:
-    """The body as received: over ``server.max_body_bytes`` or too many JSON values or objects is a 413, not in
-    full within ``server.body_timeout_s`` a 408."""
-    return await read_body(request, server.max_body_bytes, server.body_timeout_s,
-                           JsonBounds(limits.max_json_items, limits.max_json_objects))
+async def read_within_limits(
+    request: Request, server: ServerConfig, limits: LimitsConfig, *, json: bool = True
+) -> bytes:
+    """The body as received: over ``server.max_body_bytes`` or (``json``) too many JSON values or objects is a 413,
+    not in full within ``server.body_timeout_s`` a 408."""
+    bounds = JsonBounds(limits.max_json_items, limits.max_json_objects) if json else None
+    return await read_body(request, server.max_body_bytes, server.body_timeout_s, bounds)
 
 
 def upstream_headers(client: ClientHeaders, request_id: str, tenants_enabled: bool) -> dict[str, str]:

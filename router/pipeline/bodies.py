@@ -1,4 +1,5 @@
-"""Reading and validating OpenAI request bodies: once, cheaply, with OpenAI-style errors for client mistakes.
+"""Reading and validating request bodies (JSON, and the model field of a multipart form): once, cheaply, with errors
+for client mistakes.
 
 The gateway parses a body exactly once (msgspec) and checks only what routing needs; every other field passes through
 to the engine unchanged, so the engine stays the judge of its own API.
@@ -11,6 +12,8 @@ import logging
 from typing import Any, NamedTuple
 
 import msgspec
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
 from kvgate.router.core.errors import ApiError
@@ -143,3 +146,64 @@ def client_salt(body: dict[str, Any]) -> str | None:
     if salt is not None and not isinstance(salt, str):
         raise ApiError(400, "'cache_salt' must be a string", param="cache_salt", code="invalid_type")
     return salt
+
+
+class _FieldFound(Exception):
+    """Stops the multipart parser once the field looked for has been read."""
+
+
+def form_field(raw: bytes, content_type: str, name: str, max_chars: int = 1024) -> str | None:
+    """The value of the ``multipart/form-data`` field ``name`` of a body (None when it has none), read with the
+    parser Starlette uses (python-multipart) and stopped as soon as the field ends: an upload's file parts after it
+    are never looked at. A body that is no valid form, or a value over ``max_chars``, is a 400."""
+    _, params = parse_options_header(content_type)
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise ApiError(400, "a multipart/form-data body needs a boundary", param="content-type", code="invalid_body")
+    header = bytearray()
+    headers: dict[bytes, bytes] = {}
+    wanted = False
+    value = bytearray()
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        header.extend(data[start:end])
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        headers[bytes(header).lower()] = headers.get(bytes(header).lower(), b"") + data[start:end]
+
+    def on_header_end() -> None:
+        header.clear()
+
+    def on_headers_finished() -> None:
+        nonlocal wanted
+        _, disposition = parse_options_header(headers.get(b"content-disposition", b""))
+        wanted = disposition.get(b"name") == name.encode()
+        headers.clear()
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        if wanted:
+            value.extend(data[start:end])
+            if len(value) > max_chars:
+                raise ApiError(400, f"form field {name!r} is too long", param=name, code="invalid_body")
+
+    def on_part_end() -> None:
+        if wanted:
+            raise _FieldFound
+
+    parser = MultipartParser(boundary, {
+        "on_header_field": on_header_field, "on_header_value": on_header_value, "on_header_end": on_header_end,
+        "on_headers_finished": on_headers_finished, "on_part_data": on_part_data, "on_part_end": on_part_end,
+    })
+    try:
+        parser.write(raw)
+        parser.finalize()
+    except _FieldFound:
+        pass
+    except MultipartParseError as e:
+        raise ApiError(400, "the multipart/form-data body does not parse", code="invalid_body") from e
+    if not wanted:
+        return None
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise ApiError(400, f"form field {name!r} is not UTF-8", param=name, code="invalid_body") from None

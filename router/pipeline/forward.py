@@ -39,7 +39,8 @@ class Forwarder:
         self.config = config
 
     async def send(
-        self, request: Request, path: str, parsed: Parsed, routed: Routed, headers: dict[str, str]
+        self, request: Request, path: str, parsed: Parsed, routed: Routed, headers: dict[str, str],
+        method: str = "POST",
     ) -> Upstream | None:
         """The upstream answer (its first byte in), or None when the client left first. Raises
         :class:`~kvgate.router.upstream.proxy.AttemptFailed` when every attempt failed."""
@@ -47,13 +48,14 @@ class Forwarder:
         tenant = routed.request.tenant
         api = parsed.api
         holds_output = api.holds_output if api is not None else None
-        predicts = routed.routing is not None
+        predicts = routed.routing is not None and routed.whole and routed.prefills
         max_attempts = self.config.max_attempts
 
         async def send(raw: bytes, replicas: Sequence[str]) -> Upstream:
             if predicts:
                 self.dispatched(routed, replicas[0])
-            fwd = Forward(path, raw, headers, parsed.stream, replicas, max_attempts, routed.deadlines_s, holds_output)
+            fwd = Forward(path, raw, headers, parsed.stream, replicas, max_attempts, routed.deadlines_s, holds_output,
+                          method)
             load = Load({name: routed.prefill_tokens(name) for name in replicas[:max_attempts]}, tenant)
             up = await self.attempts.forward(fwd, load)
             if predicts and up.replica != replicas[0]:

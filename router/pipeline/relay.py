@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvgate.router.apis.base import Api, Usage
-from kvgate.router.core.errors import as_json_error
+from kvgate.router.core.errors import OPENAI_ERRORS, ApiError
 from kvgate.router.fleet.attempts import Upstream
 from kvgate.router.pipeline.disconnect import cancel_on_disconnect, left_early
 
@@ -59,7 +59,8 @@ def relay(up: Upstream, api: Api | None, request_id: str, reason: str, stream: b
     up.settle()
     finished(up, None)
     if up.status >= 400:
-        body, headers["content-type"] = as_json_error(up.status, up.body, headers.get("content-type"))
+        shape = api.errors if api is not None else OPENAI_ERRORS
+        body, headers["content-type"] = shape.from_engine(up.status, up.body, headers.get("content-type"))
         return Response(body, status_code=up.status, headers=headers)
     return Response(up.body, status_code=up.status, headers=headers)
 
@@ -85,12 +86,12 @@ async def relay_stream(upstream: Upstream, api: Api, on_end: Callable[[StreamRes
                 yield chunk
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             end = "stream_error"
-            yield api.stream_error(f"upstream replica failed mid-stream: {type(e).__name__}", "upstream_stream_error")
+            yield _stream_error(api, f"upstream replica failed mid-stream: {type(e).__name__}")
             return
         tail = prev[-TAIL_BYTES:] + last
         if not api.stream_complete(tail) and resp.content_type == "text/event-stream":
             end = "stream_error"
-            yield api.stream_error("upstream replica ended the stream early", "upstream_stream_error")
+            yield _stream_error(api, "upstream replica ended the stream early")
             return
         end = "ok"
     finally:
@@ -103,6 +104,10 @@ async def relay_stream(upstream: Upstream, api: Api, on_end: Callable[[StreamRes
             end = "ok"
         usage = api.usage_of_stream_tail(tail) if end == "ok" else None
         on_end(StreamResult(end, usage, time.monotonic()))
+
+
+def _stream_error(api: Api, message: str) -> bytes:
+    return api.errors.stream_events(ApiError(502, message, code="upstream_stream_error"))
 
 
 class RelayResponse(Response):

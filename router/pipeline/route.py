@@ -17,7 +17,7 @@ import time
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.match import PrefixMatch, reusable_blocks
-from kvgate.policies.base import NoHealthyReplica, RouteRequest
+from kvgate.policies.base import Decision, NoHealthyReplica, ReplicaView, RouteRequest
 from kvgate.policies.least_loaded import LeastLoadedPolicy
 from kvgate.router.core.metrics import GatewayMetrics
 from kvgate.router.fleet.block_sizes import BlockSizes
@@ -44,7 +44,7 @@ class RouteStage:
         self.sessions = sessions
         self.metrics = metrics
         self.proxy = proxy
-        self._least_loaded = LeastLoadedPolicy(rng)
+        self._least_loaded_policy = LeastLoadedPolicy(rng)
 
     def reconfigure(self, proxy: ProxyConfig) -> None:
         self.proxy = proxy
@@ -66,7 +66,7 @@ class RouteStage:
         keys_by_block_size: dict[int, list[int]] = {}
         matches: dict[str, PrefixMatch] = {}
         lookup_ms = 0.0
-        for block_size in set(block_sizes.values()):
+        for block_size in set(block_sizes.values()) if not prompt.partial else ():
             keys = keys_by_block_size[block_size] = block_keys(namespace, token_ids, block_size)
             # The engine always computes the prompt's last token, so a prompt ending on a block boundary reuses
             # one block less than it holds: only the reusable blocks are looked up and credited.
@@ -98,7 +98,7 @@ class RouteStage:
             request = dataclasses.replace(request, block_size=block_sizes[decision.replica])
         route_ms = (time.perf_counter() - started) * 1000.0 + tokenized.cpu_ms
         routed = Routed(request, decision, views, keys_by_block_size, block_sizes, tokenized, routing, route_ms,
-                        cache_salt, lookup_ms)
+                        cache_salt, lookup_ms, whole=not prompt.partial)
         if not explain:
             routed.deadlines_s = self._attempt_plan(routed, stream)
             m = self.metrics
@@ -117,17 +117,32 @@ class RouteStage:
         return {name: first_byte_deadline_s(config, routed.predicted_ttft_ms(name), stream, max_tokens)
                 for name in ranked[: config.max_attempts]}
 
-    def route_least_loaded(self, model: str, admission: Admission) -> Routed:
+    def route_least_loaded(self, model: str, admission: Admission, among: list[str] | None = None) -> Routed:
         """Requests with no prompt prefix to match (embeddings): the least-loaded replica of those that may serve the
-        model; no deadline but the cap."""
+        model (of ``among`` when given); no deadline but the cap."""
         with routing_errors():
             started = time.perf_counter()
-            names = self.catalog.candidates(model)
-            if not self.catalog.takes_requests(names):
-                raise NoHealthyReplica(model)
-            views = {name: self.catalog.fleet.view(name, PrefixMatch()) for name in names}
-            request = RouteRequest(request_id=admission.request_id, model=model, prompt_tokens=0, block_size=1,
-                                   tenant=admission.tenant)
-            decision = self._least_loaded.decide(request, list(views.values()))
+            request, decision, views = self._least_loaded(model, admission, among)
             route_ms = (time.perf_counter() - started) * 1000.0
         return Routed(request, decision, views, {}, {}, None, None, route_ms)
+
+    def route_counted(self, prompt: Prompt, admission: Admission) -> Routed:
+        """A prompt only counted, never run (``count_tokens``): the least-loaded of its replicas, its tokens kept
+        for the parity check, nothing predicted."""
+        with routing_errors():
+            started = time.perf_counter()
+            request, decision, views = self._least_loaded(prompt.model, admission, prompt.candidates)
+            route_ms = (time.perf_counter() - started) * 1000.0 + prompt.tokenized.cpu_ms
+        return Routed(request, decision, views, {}, {}, prompt.tokenized, prompt.routing, route_ms, prompt.cache_salt,
+                      whole=not prompt.partial, prefills=False)
+
+    def _least_loaded(
+        self, model: str, admission: Admission, among: list[str] | None
+    ) -> tuple[RouteRequest, Decision, dict[str, ReplicaView]]:
+        names = among if among is not None else self.catalog.candidates(model)
+        if not self.catalog.takes_requests(names):
+            raise NoHealthyReplica(model)
+        views = {name: self.catalog.fleet.view(name, PrefixMatch()) for name in names}
+        request = RouteRequest(request_id=admission.request_id, model=model, prompt_tokens=0, block_size=1,
+                               tenant=admission.tenant)
+        return request, self._least_loaded_policy.decide(request, list(views.values())), views

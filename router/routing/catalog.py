@@ -37,6 +37,12 @@ class ModelCatalog:
         """The model a replica serves, as its KV events are indexed: its label ``model``, else the first model's."""
         return replica.config.labels.get("model") or (self.models[0].name if self.models else "")
 
+    def base_models(self) -> set[str]:
+        """The models the fleet serves (its healthy replicas' base models, not their adapters) and the policy file
+        declares."""
+        served = {m["id"] for m in self.fleet.models() if isinstance(m.get("id"), str) and not m.get("parent")}
+        return served | set(self._by_name)
+
     def knows(self, model: str) -> bool:
         """Served by a healthy replica, or declared in the policy file."""
         return model in self._by_name or any(m.get("id") == model for m in self.fleet.models())

@@ -22,6 +22,9 @@ class Prompt:
     tokenized: TokenizedPrompt
     cache_salt: str | None
     max_tokens: int | None
+    partial: bool = False
+    """The token ids are not all the engine runs (a stored response's follow-up whose history kvgate does not have):
+    nothing is looked up or predicted from them, and their count is not the engine's."""
 
 
 @dataclass(slots=True)
@@ -44,6 +47,11 @@ class Routed:
     """The prefix-index lookup alone (part of ``route_ms``)."""
     deadlines_s: dict[str, float] = field(default_factory=dict)
     """Each replica an attempt may be sent to, in ranked order, and its first-byte deadline (the proxy's plan)."""
+    whole: bool = True
+    """Whether the token ids are the whole prompt the engine runs (not :attr:`Prompt.partial`): only then are its
+    blocks predicted where it goes, and its counts compared with the engine's."""
+    prefills: bool = True
+    """Whether the engine prefills the prompt (counting its tokens does not): only then are its blocks predicted."""
 
     def keys_for(self, replica: str) -> list[int]:
         """The prompt's block keys as ``replica`` hashes them (its block size)."""

@@ -2,8 +2,9 @@
 
 The root of the schema: each section is defined next to the component that reads it (those several floors of the
 gateway read in :mod:`kvgate.router.core.config`, the upstream client's in :mod:`kvgate.router.upstream.config`, the
-fleet's in :mod:`kvgate.router.fleet.config`, the peers' in :mod:`kvgate.router.peers.config`, the policies' and the
-cost model's in :mod:`kvgate.policies.config`) and assembled here. Every field has a default and a docstring;
+fleet's in :mod:`kvgate.router.fleet.config`, routing's in :mod:`kvgate.router.routing.config`, the peers' in
+:mod:`kvgate.router.peers.config`, the policies' and the cost model's in :mod:`kvgate.policies.config`) and assembled
+here. Every field has a default and a docstring;
 docs/configuration.md lists them. A bad file is rejected with the dotted path of the offending field (pydantic's
 ``loc``) and the problem. Unknown keys are errors, so a typo never silently does nothing.
 """
@@ -23,6 +24,7 @@ from kvgate.router.core.config import IndexConfig, LimitsConfig, ModelConfig, Se
 from kvgate.router.core.errors import ConfigError
 from kvgate.router.fleet.config import DiscoveryConfig, ReplicaConfig
 from kvgate.router.peers.config import PeersConfig
+from kvgate.router.routing.config import ParityConfig, ResponsesConfig
 from kvgate.router.upstream.config import BreakerConfig, HealthConfig, ProxyConfig, ScrapeConfig
 
 
@@ -48,6 +50,8 @@ class KvgateConfig(Section):
     replication: ReplicationConfig = ReplicationConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     peers: PeersConfig = PeersConfig()
+    parity: ParityConfig = ParityConfig()
+    responses: ResponsesConfig = ResponsesConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> "KvgateConfig":

@@ -76,6 +76,7 @@ class Forward:
     was routed); a replica missing, or None: the configured cap, ``proxy.first_byte_timeout_s``."""
     holds_output: Callable[[bytes], bool] | None = None
     """Streaming: whether the answer's start holds its first output (the request's API's); None: its first byte."""
+    method: str = "POST"
 
 
 @dataclass(slots=True)
@@ -90,7 +91,7 @@ class Proxy:
     async def attempt(
         self, url: str, fwd: Forward, first_byte_deadline_s: float
     ) -> tuple[aiohttp.ClientResponse, bytes, float]:
-        """POST ``fwd`` to ``url``: the response, its first output (streaming) or whole body, and the monotonic time
+        """Send ``fwd`` to ``url``: the response, its first output (streaming) or whole body, and the monotonic time
         that arrived. Raises :class:`AttemptFailed` for a refused or lost connection, no first byte within
         ``first_byte_deadline_s``, or a retryable status (5xx, 429)."""
         cfg = self.config
@@ -98,7 +99,8 @@ class Proxy:
         response: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(first_byte_deadline_s):
-                response = await self.session.post(url, data=fwd.body, headers=fwd.headers, timeout=timeout)
+                response = await self.session.request(fwd.method, url, data=fwd.body, headers=fwd.headers,
+                                                      timeout=timeout)
                 if response.status in RETRYABLE_STATUS:
                     body = await response.read()
                     raise AttemptFailed(

@@ -27,6 +27,11 @@ from tests.support import Gateway, start_kvgate
 SMALL_CACHE_BLOCKS = 512
 """Each replica's KV cache, in 32-token blocks (16,384 tokens): small enough for a test to force evictions."""
 KVGATE_READY_S = 60.0
+AGENT_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+"""What agents' requests need of a vLLM server: tools with ``tool_choice: auto`` (Claude Code's, Codex's) are refused
+without a tool parser; pythonic needs no special tokens in the tiny model's vocabulary."""
+AGENT_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+"""Stored responses (``previous_response_id``), off in vLLM by default."""
 
 T = TypeVar("T")
 
@@ -43,7 +48,8 @@ def replicas(engine_runtime: tuple[Path, Path], tmp_path_factory: pytest.TempPat
     python, model = engine_runtime
     log_dir = tmp_path_factory.mktemp("engines")
     group = make_replicas(2, free_ports(2), free_ports(4), log_dir, python=python, model=model,
-                          extra_args=["--num-gpu-blocks-override", str(SMALL_CACHE_BLOCKS)])
+                          extra_args=["--num-gpu-blocks-override", str(SMALL_CACHE_BLOCKS), *AGENT_ARGS],
+                          env=AGENT_ENV)
     started = time.monotonic()
     start_all(group)
     print(f"\n{len(group)} vLLM replicas ready in {time.monotonic() - started:.0f} s")

@@ -8,7 +8,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from kvgate.router.core.errors import ApiError, install_error_handlers
+from kvgate.router.apis.anthropic import ANTHROPIC_ERRORS
+from kvgate.router.apis.responses import RESPONSES_ERRORS
+from kvgate.router.core.errors import OPENAI_ERRORS, ApiError, install_error_handlers
 
 
 class Item(BaseModel):
@@ -53,10 +55,36 @@ def test_api_error_body_and_response() -> None:
 
 
 def test_sse_error_event_ends_the_stream() -> None:
-    event = ApiError(502, "replica died", code="upstream_stream_error").sse_event()
+    event = OPENAI_ERRORS.stream_events(ApiError(502, "replica died", code="upstream_stream_error"))
     first, second, rest = event.split(b"\n\n")
     assert json.loads(first.removeprefix(b"data: "))["error"]["code"] == "upstream_stream_error"
     assert second == b"data: [DONE]" and rest == b""
+
+
+def test_anthropic_errors_are_in_anthropics_shape_with_its_types() -> None:
+    response = ApiError(429, "slow down", code="rate_limited").response(shape=ANTHROPIC_ERRORS)
+    assert json.loads(bytes(response.body)) == {"type": "error", "error": {"type": "rate_limit_error",
+                                                                           "message": "slow down"}}
+    event = ANTHROPIC_ERRORS.stream_events(ApiError(502, "replica died"))
+    name, data = event.rstrip(b"\n").split(b"\n")
+    assert name == b"event: error" and json.loads(data.removeprefix(b"data: "))["error"]["type"] == "api_error"
+    # vLLM answers some /v1/messages errors in OpenAI's shape (its framework's validation), some in none.
+    openai_shaped = json.dumps({"error": {"message": "bad block", "type": "Bad Request", "code": 400}}).encode()
+    body, media = ANTHROPIC_ERRORS.from_engine(400, openai_shaped, "application/json")
+    assert json.loads(body) == {"type": "error", "error": {"type": "invalid_request_error", "message": "bad block"}}
+    body, _ = ANTHROPIC_ERRORS.from_engine(405, b'{"detail": "Method Not Allowed"}', "application/json")
+    assert json.loads(body)["error"]["message"] == "Method Not Allowed"
+    body, media = ANTHROPIC_ERRORS.from_engine(500, b"Internal Server Error", "text/plain")
+    assert json.loads(body)["error"] == {"type": "api_error", "message": "the upstream replica answered 500"}
+    assert media == "application/json"
+
+
+def test_responses_stream_errors_are_error_events() -> None:
+    event = RESPONSES_ERRORS.stream_events(ApiError(502, "replica died", code="upstream_stream_error"))
+    name, data = event.rstrip(b"\n").split(b"\n")
+    assert name == b"event: error"
+    assert json.loads(data.removeprefix(b"data: ")) == {"type": "error", "code": "upstream_stream_error",
+                                                          "message": "replica died", "param": None}
 
 
 def test_handlers_turn_every_failure_into_an_openai_error() -> None:

@@ -13,7 +13,10 @@ from fastapi import FastAPI
 from kvgate.router.app.admin import build_admin_router
 from kvgate.router.core.auth import ADMIN_TOKEN_ENV
 from kvgate.router.core.errors import install_error_handlers
+from kvgate.router.core.metrics import GatewayMetrics
 from kvgate.router.fleet.state import Fleet
+from kvgate.router.routing.config import ParityConfig
+from kvgate.router.routing.parity import ParityMonitor
 from kvgate.router.settings.holder import ConfigHolder
 from tests.fleets import fleet_of, reconfigure
 
@@ -23,6 +26,10 @@ replicas:
   - {name: a, url: 'http://127.0.0.1:9'}
 """
 AUTH = {"Authorization": "Bearer s3cret"}
+
+
+def parity() -> ParityMonitor:
+    return ParityMonitor(ParityConfig(), GatewayMetrics())
 
 
 @pytest.fixture
@@ -36,7 +43,7 @@ async def admin(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Fleet,
         await fleet.start()
         app = FastAPI()
         install_error_handlers(app)
-        app.include_router(build_admin_router(fleet, holder))
+        app.include_router(build_admin_router(fleet, holder, parity()))
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgate") as client:
                 yield client, fleet, holder, path
@@ -71,7 +78,7 @@ async def test_admin_off_without_token_is_404(tmp_path: Path, monkeypatch: pytes
     async with aiohttp.ClientSession() as session:
         app = FastAPI()
         install_error_handlers(app)
-        app.include_router(build_admin_router(fleet_of(holder.current, session), holder))
+        app.include_router(build_admin_router(fleet_of(holder.current, session), holder, parity()))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://k") as client:
             assert_openai_error(await client.get("/admin/replicas", headers=AUTH), 404)
             monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-env")

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+from array import array
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvgate.loadgen.assets import TOKENIZER_DIR
+from kvgate.router.apis.anthropic import parse_messages
 from kvgate.router.apis.openai import parse_chat
 from kvgate.router.core.config import LimitsConfig, ModelConfig
 from kvgate.router.core.errors import ConfigError
 from kvgate.router.prompts.model_tokenizer import ModelTokenizer
 from kvgate.router.prompts.prompt import PromptError
-from kvgate.router.prompts.tokenizer import PromptTokenizer
+from kvgate.router.prompts.tokenizer import PromptTokenizer, common_prefix
 from tests.tokenizing import tokenize_body
 
 MODEL = "kvgate-sim"
@@ -313,7 +316,7 @@ async def test_completion_special_tokens_wrap_matches_model_tokenizer(tmp_path: 
             ({"prompt": "hello there", "add_special_tokens": False}, reference.encode("hello there", False)),
         ]:
             assert (await tokenize_body(tokenizer, "llama-like", "completions", body)).token_ids.tolist() == expected
-        assert reference.encode("hello there")[0] == 0
+        assert reference.encode("hello there") == reference.encode("hello there", False)  # add_bos_token: no BOS
         chat = {"messages": [{"role": "user", "content": "hi"}]}
         assert (await tokenize_body(tokenizer, "llama-like", "chat", chat)).token_ids.tolist() == reference.encode_chat(chat["messages"])
     finally:
@@ -337,3 +340,38 @@ def test_tools_reach_the_template_as_vllm_dumps_them() -> None:
     ])
     refused = [{"type": "function", "function": {"description": "no name"}}]  # the engine answers 400
     assert parse_chat({"messages": [{"role": "user", "content": "hi"}], "tools": refused}).tools == refused
+
+
+def claude_body(system: str, user: str, *, marked: bool = True) -> dict[str, Any]:
+    mark = {"cache_control": {"type": "ephemeral"}} if marked else {}
+    return {"model": MODEL, "max_tokens": 4, "system": [{"type": "text", "text": system, **mark}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": user}]}]}
+
+
+@pytest.mark.parametrize("words", [40, 4000])  # on the loop, and a body large enough for a worker thread
+async def test_a_marked_system_prompt_is_the_shared_prefix_every_session_starts_with(
+    prompts: PromptTokenizer, reference: ModelTokenizer, words: int,
+) -> None:
+    system = "You are a coding agent. " + " ".join(f"rule{i}" for i in range(words))
+    sessions = []
+    for user in ("Fix the failing test in parser.py", "Why is the build slow?"):
+        body = claude_body(system, user)
+        sessions.append(await prompts.tokenize(MODEL, functools.partial(parse_messages, body),
+                                               body_bytes=len(json.dumps(body))))
+    one, two = sessions
+    assert one.shared_tokens == two.shared_tokens > words
+    assert one.token_ids[: one.shared_tokens] == two.token_ids[: two.shared_tokens]
+    assert one.token_ids[one.shared_tokens] != two.token_ids[two.shared_tokens]  # the sessions part right there
+    text = reference.decode(one.token_ids[: one.shared_tokens])
+    assert system in text and "Fix" not in text
+    unmarked = claude_body(system, "Fix the failing test in parser.py", marked=False)
+    assert (await prompts.tokenize(MODEL, functools.partial(parse_messages, unmarked))).shared_tokens == 0
+
+
+def test_common_prefix_is_where_two_id_arrays_first_differ() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        a = array("I", (rng.randrange(3) for _ in range(rng.randrange(40))))
+        b = array("I", a[: rng.randrange(len(a) + 1)]) + array("I", (rng.randrange(3) for _ in range(rng.randrange(5))))
+        expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == expected

@@ -111,7 +111,8 @@ class FleetSync:
             self._drain(name)
 
     def _add(self, name: str, target: Target) -> None:
-        log.info("discovery: adding replica %s at %s%s", name, target.config.url, "" if target.ready else " (not ready)")
+        log.info("discovery: adding replica %s at %s%s", name, target.config.url,
+                 "" if target.ready else " (not ready)")
         self.fleet.add(target.config)
         self.owned[name] = target
         if not target.ready:
