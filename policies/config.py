@@ -121,5 +121,9 @@ class ReplicationConfig(Section):
     within an equal share of it."""
     min_prefix_tokens: int = Field(256, ge=0)
     """Prefixes shorter than this are never replicated (recompute is cheap)."""
+    marked_prefixes: bool = True
+    """Also count the prefix a request marks as one every session sends again (Anthropic ``cache_control`` on its
+    tools or system) as a candidate, beside the deepest prefix a replica holds: a session's own history is the
+    deepest, and without the mark the system prompt all sessions share would be seen only on their first turns."""
     warmup_timeout_s: float = Field(30.0, gt=0)
     """A started warm-up blocks further warm-ups of its prefix until its target holds it or this long passed."""

@@ -2,12 +2,12 @@
 
 :class:`kvgate.policies.replication.HotPrefixTracker` (one per model, in :mod:`kvgate.router.routing.model_state`)
 decides: it keeps each prefix's decayed request rate and plans which prefix to warm where, within the budgets. This
-module feeds it and carries out its plans: every dispatched request's deepest held prefix is recorded (:meth:`Replication.record`),
-the prompts of nearly hot prefixes are kept to warm with, and every ``REPLICATION_INTERVAL_S`` the plan is taken and
-each warm-up run as a prefill-only request (``max_tokens: 1``) of the prefix's own token ids on the target, its KV
-pulled from a holder first when the plan says a transfer is cheaper (a failed first leg falls back to prefilling).
-After that, nothing here steers traffic: the cost policy sees the target as one more holder and spreads the prefix
-by queue delay.
+module feeds it and carries out its plans: every dispatched request's deepest held prefix is recorded
+(:meth:`Replication.record`), the prompts of nearly hot prefixes are kept to warm with, and every
+``REPLICATION_INTERVAL_S`` the plan is taken and each warm-up run as a prefill-only request (``max_tokens: 1``) of the
+prefix's own token ids on the target, its KV pulled from a holder first when the plan says a transfer is cheaper (a
+failed first leg falls back to prefilling). After that, nothing here steers traffic: the cost policy sees the target as
+one more holder and spreads the prefix by queue delay.
 
 Warm prompts are keyed by chain keys, which are rooted in the request's namespace (its cache salt included), so they
 are per tenant.
@@ -29,6 +29,7 @@ import msgspec
 
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.match import PrefixMatch
+from kvgate.policies.base import ReplicaView
 from kvgate.policies.replication import Retired, Warmup
 from kvgate.router.apis.openai import COMPLETIONS
 from kvgate.router.core.metrics import GatewayMetrics
@@ -101,14 +102,27 @@ class Replication:
         return 1 + (peer_work.peers() if peer_work is not None else 0)
 
     def record(self, routed: Routed) -> None:
-        """Heat of the deepest prefix any replica holds (the chain key of its last block identifies it)."""
+        """Heat of the deepest prefix any replica holds (the chain key of its last block identifies it) and, when the
+        request marked one, of its shared prefix (:attr:`~kvgate.router.prompts.tokenizer.TokenizedPrompt.
+        shared_tokens`)."""
         block_size = routed.request.block_size
-        keys = routed.keys
         views = [v for v in routed.views.values() if routed.block_sizes.get(v.name) == block_size]
-        deepest = max((v.match.total for v in views), default=0)
-        blocks = min(deepest // block_size, len(keys))
+        deepest = max((v.match.total for v in views), default=0) // block_size
+        self._record_prefix(routed, views, deepest)
+        tokenized = routed.tokenized
+        assert tokenized is not None
+        if tokenized.shared_tokens and self.models.settings.replication.marked_prefixes:
+            marked = tokenized.shared_tokens // block_size
+            if 0 < marked < deepest:
+                self._record_prefix(routed, views, marked)
+
+    def _record_prefix(self, routed: Routed, views: list[ReplicaView], blocks: int) -> None:
+        """One request's use of its first ``blocks`` blocks: heat for the tracker, and the prompt to warm with."""
+        keys = routed.keys
+        blocks = min(blocks, len(keys))
         if blocks == 0:
             return
+        block_size = routed.request.block_size
         key = keys[blocks - 1]
         tokens = blocks * block_size
         holders = {v.name for v in views if v.match.total >= tokens}
