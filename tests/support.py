@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -145,3 +146,17 @@ def admin_replicas(gw: Gateway, admin_token: str) -> dict[str, dict[str, Any]]:
 
 def routable_replicas(gw: Gateway, admin_token: str) -> set[str]:
     return {name for name, r in admin_replicas(gw, admin_token).items() if r["routable"]}
+
+
+def request_log_line(gw: Gateway, request_id: str, timeout: float = 10.0) -> dict[str, Any]:
+    """kvgate's request log line of ``request_id``, waited for (lines are flushed in batches)."""
+
+    def find() -> dict[str, Any] | None:
+        for line in gw.process.output().splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                if record.get("logger") == "kvgate.requests" and record.get("id") == request_id:
+                    return record
+        return None
+
+    return wait_until(find, f"the request log line of {request_id}", timeout=timeout)

@@ -15,7 +15,7 @@ import pytest
 
 from kvgate.loadgen.engines import MODEL_NAME
 from tests.engines.conftest import explain, start_gateway, unique_text, wait_for, write_fleet_file
-from tests.support import Gateway
+from tests.support import Gateway, request_log_line
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -27,20 +27,6 @@ def anthropic_client(gw: Gateway) -> anthropic.Anthropic:
 
 def openai_client(gw: Gateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
-
-
-def request_line(gw: Gateway, request_id: str) -> dict[str, Any]:
-    """kvgate's request log line of ``request_id`` (waited for: lines are flushed in batches)."""
-
-    def find() -> dict[str, Any] | None:
-        for line in gw.process.output().splitlines():
-            if line.startswith("{"):
-                record = json.loads(line)
-                if record.get("logger") == "kvgate.requests" and record.get("id") == request_id:
-                    return record
-        return None
-
-    return wait_for(find, 10.0, f"the request log line of {request_id}")
 
 
 def assert_counts_agree(line: dict[str, Any]) -> None:
@@ -73,7 +59,7 @@ def test_messages_multi_turn_tool_use_goes_warm_with_exact_counts(kvgate: Gatewa
     reply = raw.parse()
     assert reply.type == "message" and reply.usage.output_tokens > 0
     replica = raw.headers["x-kvgate-replica"]
-    assert_counts_agree(request_line(kvgate, raw.headers["x-request-id"]))
+    assert_counts_agree(request_log_line(kvgate, raw.headers["x-request-id"]))
 
     second = [*first,
               {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
@@ -89,7 +75,7 @@ def test_messages_multi_turn_tool_use_goes_warm_with_exact_counts(kvgate: Gatewa
     assert texts and final.usage.output_tokens > 0
     assert headers["x-kvgate-replica"] == replica  # warm: the first turn's prefix is there
     assert (final.usage.cache_read_input_tokens or 0) > 0
-    assert_counts_agree(request_line(kvgate, headers["x-request-id"]))
+    assert_counts_agree(request_log_line(kvgate, headers["x-request-id"]))
 
     counted = client.messages.count_tokens(model=MODEL_NAME, system=system, tools=[WEATHER], messages=second)
     assert counted.input_tokens > 0
@@ -114,14 +100,14 @@ def test_responses_stored_follow_up_by_id_stays_on_its_replica(kvgate: Gateway) 
     first = raw.parse()
     replica = raw.headers["x-kvgate-replica"]
     assert first.id.startswith("resp_") and first.usage is not None
-    assert_counts_agree(request_line(kvgate, raw.headers["x-request-id"]))
+    assert_counts_agree(request_log_line(kvgate, raw.headers["x-request-id"]))
 
     raw = client.responses.with_raw_response.create(model=MODEL_NAME, previous_response_id=first.id, input="And?",
                                                     instructions="Answer briefly.", max_output_tokens=4)
     second = raw.parse()
     assert raw.headers["x-kvgate-replica"] == replica
     assert second.usage is not None and (second.usage.input_tokens_details.cached_tokens or 0) > 0
-    assert_counts_agree(request_line(kvgate, raw.headers["x-request-id"]))
+    assert_counts_agree(request_log_line(kvgate, raw.headers["x-request-id"]))
     assert client.responses.retrieve(first.id).id == first.id
 
     events = list(client.responses.create(model=MODEL_NAME, previous_response_id=second.id, input="Go on.",

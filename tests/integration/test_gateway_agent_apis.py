@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from tests.support import Gateway, Sim, start_kvgate, start_sim, wait_until
+from tests.support import Gateway, Sim, request_log_line, start_kvgate, start_sim, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -66,18 +66,6 @@ def unique(words: int = 120) -> str:
     return f"{uuid.uuid4()} " + " ".join(f"line{i} of the repository" for i in range(words))
 
 
-def request_line(gw: Gateway, request_id: str) -> dict[str, Any]:
-    def find() -> dict[str, Any] | None:
-        for line in gw.process.output().splitlines():
-            if line.startswith("{"):
-                record = json.loads(line)
-                if record.get("logger") == "kvgate.requests" and record.get("id") == request_id:
-                    return record
-        return None
-
-    return wait_until(find, f"the request log line of {request_id}", timeout=10.0)
-
-
 def metric(gw: Gateway, name: str, **labels: str) -> float:
     text = httpx.get(gw.url + "/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -104,7 +92,7 @@ def test_claude_code_turns_go_warm_with_counts_equal_to_the_engines(gw: Gateway)
     reply = raw.parse()
     assert reply.type == "message" and reply.usage.output_tokens == 4
     replica = raw.headers["x-kvgate-replica"]
-    line = request_line(gw, raw.headers["x-request-id"])
+    line = request_log_line(gw, raw.headers["x-request-id"])
     assert line["api"] == "messages" and line["status"] == "200"
     usage = reply.usage  # Anthropic's total input: uncached + read from the cache + written to it
     assert line["prompt_tokens"] == usage.input_tokens + (usage.cache_read_input_tokens or 0) + (
@@ -123,7 +111,7 @@ def test_claude_code_turns_go_warm_with_counts_equal_to_the_engines(gw: Gateway)
         headers = stream.response.headers
     assert headers["x-kvgate-replica"] == replica
     assert (final.usage.cache_read_input_tokens or 0) > 0
-    line = request_line(gw, headers["x-request-id"])
+    line = request_log_line(gw, headers["x-request-id"])
     assert line["stream"] is True and line["matched_tokens"] == line["cached_tokens"] > 0
 
     before = metric(gw, "kvgate_parity_prompt_tokens_total", api="count_tokens", result="match")
@@ -161,7 +149,7 @@ def test_a_stored_response_is_followed_on_its_replica_and_private_to_its_tenant(
     second = raw.parse()
     assert raw.headers["x-kvgate-replica"] == replica
     assert second.usage is not None and (second.usage.input_tokens_details.cached_tokens or 0) > 0
-    line = request_line(gw, raw.headers["x-request-id"])
+    line = request_log_line(gw, raw.headers["x-request-id"])
     assert line["api"] == "responses" and line["matched_tokens"] == line["cached_tokens"]
     assert client.responses.retrieve(first.id).id == first.id
 
