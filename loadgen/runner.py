@@ -60,10 +60,13 @@ class RequestRecord:
     engine_itl_ms: list[float] = field(default_factory=list)
     """Gaps between generated tokens on the engine clock of the replica that streamed the answer (unscaled ms);
     filled in like ``engine_ttft_ms``."""
+    retry_after: str | None = None
+    """A refusal's ``Retry-After`` header, when it carried one."""
+    id_prefix: str = "loadgen"
 
     @property
     def request_id(self) -> str:
-        return f"loadgen-{self.index}"
+        return f"{self.id_prefix}-{self.index}"
 
     @property
     def ok(self) -> bool:
@@ -95,6 +98,10 @@ class RunConfig:
     chosen at random (seeded), as a Service spreads requests over its pods."""
     api: Api = "chat"
     """The API family chat requests go through (completion requests always use ``/v1/completions``)."""
+    headers: tuple[tuple[str, str], ...] = ()
+    """Headers sent with every request (a tenant's API key, say)."""
+    id_prefix: str = "loadgen"
+    """Request ids are ``<id_prefix>-<index>``: runs sent side by side to one gateway keep theirs apart."""
 
 
 async def run_workload(requests: list[Request], config: RunConfig) -> tuple[list[RequestRecord], float]:
@@ -154,7 +161,7 @@ class _Runner:
         async with self.slots:
             record = RequestRecord(
                 request.index, request.endpoint, request.session_id, at_s, self.now(),
-                request.prompt_tokens, request.oracle_hit_tokens,
+                request.prompt_tokens, request.oracle_hit_tokens, id_prefix=self.config.id_prefix,
             )
             await self._send(request, record, wire)
             record.end_s = self.now()
@@ -166,7 +173,7 @@ class _Runner:
 
     async def _send(self, request: Request, record: RequestRecord, wire: Wire) -> None:
         body = wire.body(request, self.config.model)
-        headers = {"X-Request-Id": record.request_id, **wire.headers(request)}
+        headers = {"X-Request-Id": record.request_id, **dict(self.config.headers), **wire.headers(request)}
         url = self._targets[self._pick.randrange(len(self._targets))] + wire.path
         try:
             async with self.session.post(url, json=body, headers=headers) as resp:
@@ -174,6 +181,7 @@ class _Runner:
                 record.replica = resp.headers.get(REPLICA_HEADER)
                 record.decision = resp.headers.get(DECISION_HEADER)
                 if resp.status != 200:
+                    record.retry_after = resp.headers.get("retry-after")
                     record.error = (await resp.text())[:500] or resp.reason
                     return
                 await self._read_stream(resp, record, wire)

@@ -17,6 +17,8 @@ from typing import Any
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.ingest import EventIngestor
 from kvgate.cache_index.subscriber import SubscriptionManager
+from kvgate.router.admission.gate import AdmissionGate
+from kvgate.router.admission.saturation import Saturation
 from kvgate.router.core.auth import peer_token
 from kvgate.router.core.logs import RequestLogger
 from kvgate.router.core.metrics import (
@@ -42,6 +44,7 @@ from kvgate.router.peers.warm_start import WarmStart
 from kvgate.router.peers.wiring import PeerHints
 from kvgate.router.pipeline.account import Accounting
 from kvgate.router.pipeline.forward import Forwarder
+from kvgate.router.pipeline.queue import QueueStage
 from kvgate.router.pipeline.route import RouteStage
 from kvgate.router.pipeline.tokenize import TokenizeStage
 from kvgate.router.prompts.tokenizer import PromptTokenizer
@@ -129,6 +132,9 @@ class Gateway:
         self.tokenize_stage = TokenizeStage(self.catalog, self.models, self.tokenizer, self.parity)
         self.route_stage = RouteStage(self.catalog, self.index, self.block_sizes, self.views, self.sessions,
                                       self.metrics, config.proxy, rng)
+        self.admission = AdmissionGate(config.admission, Saturation(self.fleet), self.metrics,
+                                       gateways=self.replication.gateways)
+        self.queue_stage = QueueStage(self.admission)
         self.forwarder = Forwarder(self.attempts, self.fleet, self.predictions, self.replication, self.handoffs,
                                    config.proxy)
         self.accounting = Accounting(self.metrics, self.request_log, self.parity)
@@ -156,6 +162,7 @@ class Gateway:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        self.admission.close()
         self.tokenizer.close()
         await self.session.close()
 
@@ -179,6 +186,7 @@ class Gateway:
         self.hints.reconfigure(config.peers, config.server)
         self.parity.reconfigure(config.parity)
         self.stored_responses.reconfigure(config.responses)
+        self.admission.reconfigure(config.admission)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background until it ends or the gateway stops."""

@@ -105,8 +105,8 @@ def walk_summary(calls: list[Call]) -> tuple[int, int, int, Counter[str]]:
     return len(stops), len(entered), sum(reentries.values()), reentries
 
 
-LAYERS = ["cli", "app", "gateway", "endpoints", "settings", "peers", "pipeline", "indexing", "routing", "fleet",
-          "apis", "upstream", "prompts", "core"]
+LAYERS = ["cli", "app", "gateway", "endpoints", "settings", "peers", "pipeline", "admission", "indexing", "routing",
+          "fleet", "apis", "upstream", "prompts", "core"]
 """``router/``'s folders from the top (pyproject.toml's layers contract, siblings in some order); policies and
 cache_index sit below them all."""
 

@@ -89,13 +89,13 @@ class Flows:
         holder = g.holder
         callers = Callers(g.tenants, holder)
         proxied = ProxiedRequests(holder, g.tenants, callers, g.catalog, g.forwarder, g.accounting)
-        self.generate = Generate(proxied, g.tokenize_stage, g.route_stage)
+        self.generate = Generate(proxied, g.tokenize_stage, g.queue_stage, g.route_stage)
         self.count_tokens = CountTokens(proxied, g.tokenize_stage, g.route_stage)
-        self.responses = Responses(holder, proxied, g.tokenize_stage, g.route_stage, g.fleet, g.response_ids,
-                                   g.stored_responses, g.session, g.spawn)
+        self.responses = Responses(holder, proxied, g.tokenize_stage, g.queue_stage, g.route_stage, g.fleet,
+                                   g.response_ids, g.stored_responses, g.session, g.spawn)
         self.passthrough = Passthrough(proxied, g.route_stage)
         self.explain = Explain(holder, callers, g.catalog, g.tokenize_stage, g.route_stage, g.index.generation,
-                               g.parity)
+                               g.parity, g.queue_stage)
         self.events = EventIngest(holder, callers, g.ingestor)
         self.peer_snapshot = PeerSnapshot(holder, callers, g.fleet, g.ingestor, g.subscriptions, g.warm_start)
         self.info = Info(callers, g.fleet, g.warm_start, g.metrics)

@@ -55,6 +55,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         error_type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -62,6 +63,8 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.error_type = error_type or ERROR_TYPES.get(status, "invalid_request_error")
+        self.headers = headers
+        """Headers the answer carries (``Retry-After``, rate limits)."""
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
@@ -72,6 +75,8 @@ class ApiError(Exception):
     def response(self, headers: dict[str, str] | None = None, shape: ErrorShape | None = None) -> Response:
         """The error as an answer, in ``shape`` (an API's; OpenAI's when None)."""
         body = self.encoded() if shape is None else shape.body(self)
+        if self.headers:
+            headers = {**self.headers, **(headers or {})}
         return Response(body, status_code=self.status, headers=headers, media_type="application/json")
 
 

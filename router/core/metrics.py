@@ -128,6 +128,18 @@ class GatewayMetrics:
             "how kvgate's credit compared (match within a block; credited_not_reused: kvgate counted on a cache the "
             "engine did not use; reused_not_credited).", ["model", "api", "result"], registry=r,
         ))
+        self.admission_wait = LabelledChildren(Histogram(
+            "kvgate_admission_wait_seconds", "Time requests waited at the gateway for capacity (released ones), by "
+            "priority band and tenant.", ["band", "tenant"], buckets=LATENCY_BUCKETS, registry=r,
+        ))
+        self.admission_refusals = LabelledChildren(Counter(
+            "kvgate_admission_refusals", "Requests admission refused or lost, by reason: rate_limit_requests, "
+            "rate_limit_tokens, rate_limit_concurrency (429); queue_full, deadline (503); client_left (the client "
+            "went away while it waited).", ["reason"], registry=r,
+        ))
+        self.admission_tokens = LabelledChildren(Counter(
+            "kvgate_admission_admitted_tokens", "Prompt tokens admitted, by tenant.", ["tenant"], registry=r,
+        ))
         self.warmup_tokens = Counter(
             "kvgate_warmup_tokens", "Prompt tokens prefilled by hot-prefix warm-ups (work spent on replication).",
             registry=r,

@@ -18,7 +18,9 @@ from kvgate.router.apis.responses import RESPONSES
 from kvgate.router.core.errors import ApiError
 from kvgate.router.endpoints.callers import Callers
 from kvgate.router.pipeline.admit import Admission, check_client_ids, read_within_limits
+from kvgate.router.pipeline.bodies import priority_of
 from kvgate.router.pipeline.parse import parse, salt_for_tenant
+from kvgate.router.pipeline.queue import QueueStage
 from kvgate.router.pipeline.route import RouteStage
 from kvgate.router.pipeline.tokenize import TokenizeStage
 from kvgate.router.routing.catalog import ModelCatalog
@@ -30,7 +32,7 @@ from kvgate.router.settings.holder import ConfigHolder
 class Explain:
     def __init__(
         self, holder: ConfigHolder, callers: Callers, catalog: ModelCatalog, tokenize: TokenizeStage,
-        route: RouteStage, generation_of: Callable[[str], int | None], parity: ParityMonitor,
+        route: RouteStage, generation_of: Callable[[str], int | None], parity: ParityMonitor, queue: QueueStage,
     ) -> None:
         self.holder = holder
         self.callers = callers
@@ -40,6 +42,7 @@ class Explain:
         self.generation_of = generation_of
         """The index's generation of a replica (None when the index does not track it)."""
         self.parity = parity
+        self.queue = queue
 
     async def __call__(self, request: Request) -> dict[str, Any]:
         admission = Admission.of(request.scope)
@@ -51,11 +54,13 @@ class Explain:
         parsed = parse(raw, None, self.catalog, may_use)
         parsed.api = api_of(request.query_params.get("api"), parsed.body)
         parsed.max_tokens = parsed.api.max_tokens(parsed.body)
+        parsed.priority = priority_of(parsed.body.get("priority"), "priority")
         parsed = salt_for_tenant(parsed, self.callers.tenants, admission.tenant)
         prompt = await self.tokenize.tokenize(parsed)
         routed = self.route.route(prompt, admission, parsed.stream, explain=True)
         explained = explain_body(routed, config.policy.name, self.generation_of)
         explained["parity"] = self.parity.state().get(prompt.base_model, {"trusted": True})
+        explained["admission"] = self.queue.explain(prompt, parsed, admission)
         return explained if full else tenant_view(explained)
 
 
@@ -140,14 +145,16 @@ TENANT_REPLICA_FIELDS = ("name", "role", "block_size", "healthy", "draining", "c
 (queues, requests and tokens in flight, free cache room, arrival rates, predicted TTFT) moves with other tenants'
 traffic: a tenant polling them learned another's prompt sizes and hit pattern."""
 TENANT_DECISION_FIELDS = ("replica", "action", "reason", "source", "ranked")
+ADMIN_ONLY = ("decision", "replicas", "cost_model", "route_ms", "parity", "admission")
+"""Top-level parts a tenant gets only in part (decision, replicas, parity) or not at all."""
 
 
 def tenant_view(explained: dict[str, Any]) -> dict[str, Any]:
     """``explained`` as a tenant (not the admin) may see it: the decision and its own cached tokens per replica, no
-    figure that moves with another tenant's traffic (load, calibration, ``route_ms``)."""
+    figure that moves with another tenant's traffic (load, calibration, ``route_ms``, saturation and the queue)."""
     decision = explained["decision"]
     return {
-        **{k: v for k, v in explained.items() if k not in ("decision", "replicas", "cost_model", "route_ms", "parity")},
+        **{k: v for k, v in explained.items() if k not in ADMIN_ONLY},
         "parity": {"trusted": explained["parity"]["trusted"]},
         "decision": {k: decision[k] for k in TENANT_DECISION_FIELDS},
         "replicas": [{k: row[k] for k in TENANT_REPLICA_FIELDS} for row in explained["replicas"]],

@@ -1,5 +1,6 @@
-"""Generation: every API whose prompt kvgate routes (chat completions, completions, Anthropic Messages), as one flow:
-admit → parse → tokenize → route → forward → relay → account. A refusal is answered in the API's own error shape."""
+"""Generation: every API whose prompt kvgate routes (chat completions, completions, Anthropic Messages), as one
+flow: admit → parse → tokenize → queue → route → forward → relay → account. A refusal is answered in the API's
+own error shape."""
 
 from __future__ import annotations
 
@@ -9,23 +10,36 @@ from starlette.responses import Response
 from kvgate.router.apis.base import Api
 from kvgate.router.core.errors import ApiError
 from kvgate.router.endpoints.proxied import ProxiedRequests
+from kvgate.router.admission.gate import Ticket
 from kvgate.router.pipeline.admit import Admission
+from kvgate.router.pipeline.queue import QueueStage
 from kvgate.router.pipeline.route import RouteStage
 from kvgate.router.pipeline.tokenize import TokenizeStage
 
 
 class Generate:
-    def __init__(self, proxied: ProxiedRequests, tokenize: TokenizeStage, route: RouteStage) -> None:
+    def __init__(self, proxied: ProxiedRequests, tokenize: TokenizeStage, queue: QueueStage, route: RouteStage) -> None:
         self.proxied = proxied
         self.tokenize = tokenize
+        self.queue = queue
         self.route = route
 
     async def __call__(self, request: Request, api: Api) -> Response:
         admission = Admission.of(request.scope)
+        ticket: Ticket | None = None
         try:
             admitted = await self.proxied.admit(request, api, admission)
             prompt = await self.tokenize.tokenize(admitted.parsed)
+            ticket = await self.queue.wait(request, prompt, admitted.parsed, admission)
+            if ticket is None:
+                return self.proxied.left_waiting(admission, api)
             routed = self.route.route(prompt, admission, admitted.parsed.stream)
         except ApiError as e:
+            if ticket is not None:
+                ticket.release()
             return self.proxied.refuse(e, admission, api)
-        return await self.proxied.answer(request, api.path, admitted, routed)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
+        return await self.proxied.answer(request, api.path, admitted, routed, ticket=ticket)

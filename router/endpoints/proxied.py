@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvgate.router.admission.gate import Ticket
 from kvgate.router.apis.base import Api
 from kvgate.router.core.errors import ApiError
 from kvgate.router.core.tenants import TenantResolver
@@ -90,18 +91,32 @@ class ProxiedRequests:
         self.accounting.rejected(err, admission, api)
         return err.response(shape=api.errors if api is not None else None)
 
+    def left_waiting(self, admission: Admission, api: Api) -> Response:
+        """The client left while its request waited for capacity: logged as a client-closed request."""
+        return self.refuse(ApiError(499, "the client closed the request while it waited", code="client_closed"),
+                           admission, api)
+
     async def answer(
         self, request: Request, path: str, admitted: Admitted, routed: Routed, *, method: str = "POST",
-        answered: Answered | None = None,
+        answered: Answered | None = None, ticket: Ticket | None = None,
     ) -> Response:
-        """Forward as ``routed`` says, relay the answer (streamed as asked), account for it, then tell ``answered``."""
+        """Forward as ``routed`` says, relay the answer (streamed as asked), account for it, then tell ``answered``;
+        the admission ``ticket`` is given back once the answer is complete, however it ends."""
         admission, parsed = admitted.admission, admitted.parsed
         api = parsed.api
         try:
             up = await self.forwarder.send(request, path, parsed, routed, admitted.upstream_headers, method)
         except AttemptFailed as failed:
+            if ticket is not None:
+                ticket.release()
             return self.accounting.failed(failed, routed, admission, self.holder.current.proxy.max_attempts, api)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
         if up is None:
+            if ticket is not None:
+                ticket.release()
             return self.accounting.client_left(routed, admission, api)
-        finished = functools.partial(self.accounting.answered, routed, admission, api, then=answered)
+        finished = functools.partial(self.accounting.answered, routed, admission, api, then=answered, ticket=ticket)
         return relay(up, api, admission.request_id, routed.decision.reason, parsed.stream, finished)

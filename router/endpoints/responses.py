@@ -19,6 +19,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvgate.router.admission.gate import Ticket
 from kvgate.router.apis.responses import RESPONSES, History, history_of, previous_response_id, responses_prompt
 from kvgate.router.core.errors import ApiError
 from kvgate.router.endpoints.proxied import ProxiedRequests
@@ -28,6 +29,7 @@ from kvgate.router.pipeline.admit import Admission
 from kvgate.router.pipeline.errors import routing_errors
 from kvgate.router.pipeline.parse import Parsed
 from kvgate.router.pipeline.relay import StreamResult
+from kvgate.router.pipeline.queue import QueueStage
 from kvgate.router.pipeline.route import RouteStage
 from kvgate.router.pipeline.tokenize import TokenizeStage
 from kvgate.router.prompts.prompt import ChatPrompt
@@ -45,13 +47,15 @@ def not_found(response_id: str) -> ApiError:
 
 class Responses:
     def __init__(
-        self, holder: ConfigHolder, proxied: ProxiedRequests, tokenize: TokenizeStage, route: RouteStage,
+        self, holder: ConfigHolder, proxied: ProxiedRequests, tokenize: TokenizeStage, queue: QueueStage,
+        route: RouteStage,
         fleet: Fleet, ids: ResponseIds, stored: StoredResponses, session: aiohttp.ClientSession,
         spawn: Callable[[Coroutine[Any, Any, None]], None],
     ) -> None:
         self.holder = holder
         self.proxied = proxied
         self.tokenize = tokenize
+        self.queue = queue
         self.route = route
         self.fleet = fleet
         self.ids = ids
@@ -66,6 +70,7 @@ class Responses:
     async def create(self, request: Request) -> Response:
         api = RESPONSES
         admission = Admission.of(request.scope)
+        ticket: Ticket | None = None
         try:
             admitted = await self.proxied.admit(request, api, admission)
             parsed = admitted.parsed
@@ -84,9 +89,18 @@ class Responses:
 
             partial = previous is not None and history is None
             prompt = await self.tokenize.tokenize(parsed, prompt_of=prompt_of, pinned=pinned, partial=partial)
+            ticket = await self.queue.wait(request, prompt, parsed, admission)
+            if ticket is None:
+                return self.proxied.left_waiting(admission, api)
             routed = self.route.route(prompt, admission, parsed.stream)
         except ApiError as e:
+            if ticket is not None:
+                ticket.release()
             return self.proxied.refuse(e, admission, api)
+        except BaseException:
+            if ticket is not None:
+                ticket.release()
+            raise
         stores = parsed.body.get("store") is not False
 
         def answered(up: Upstream, result: StreamResult | None) -> None:
@@ -95,7 +109,7 @@ class Responses:
                 messages = built[-1].messages if built and not partial else None
                 self._remember(response_id, up, result is not None, messages)
 
-        return await self.proxied.answer(request, api.path, admitted, routed, answered=answered)
+        return await self.proxied.answer(request, api.path, admitted, routed, answered=answered, ticket=ticket)
 
     def _name(self, parsed: Parsed, tenant: str | None) -> str:
         """kvgate's id for the response: the body's ``request_id``, which vLLM makes the response's id."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from starlette.responses import Response
 
+from kvgate.router.admission.gate import Ticket
 from kvgate.router.apis.base import Api, Usage
 from kvgate.router.core.errors import OPENAI_ERRORS, ApiError, ErrorShape
 from kvgate.router.core.logs import RequestLogger
@@ -81,17 +82,22 @@ class Accounting:
 
     def answered(
         self, routed: Routed, admission: Admission, api: Api | None, up: Upstream, result: StreamResult | None, *,
-        then: Answered | None = None,
+        then: Answered | None = None, ticket: Ticket | None = None,
     ) -> None:
         """An answer relayed in full (``result`` for a stream, None for an answer read whole), in ``api``'s form
-        (None: a body kvgate does not read, such as embeddings'); ``then`` is told of it once it is accounted."""
-        if result is None:
-            usage = api.usage_of_body(up.body) if up.status == 200 and api is not None else None
-            self.completed(routed, admission, api, up, up.first_byte_at, usage, "ok", stream=False)
-        else:
-            self.completed(routed, admission, api, up, result.finished_at, result.usage, result.end, stream=True)
-        if then is not None:
-            then(up, result)
+        (None: a body kvgate does not read, such as embeddings'); ``then`` is told of it once it is accounted, and
+        the admission ``ticket`` given back whatever happens."""
+        try:
+            if result is None:
+                usage = api.usage_of_body(up.body) if up.status == 200 and api is not None else None
+                self.completed(routed, admission, api, up, up.first_byte_at, usage, "ok", stream=False)
+            else:
+                self.completed(routed, admission, api, up, result.finished_at, result.usage, result.end, stream=True)
+            if then is not None:
+                then(up, result)
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     def completed(
         self, routed: Routed, admission: Admission, api: Api | None, up: Upstream, finished_at: float,

@@ -25,7 +25,8 @@ def new_request_id() -> str:
 SESSION_HEADERS = (b"x-session-id", b"x-claude-code-session-id", b"session_id", b"session-id", b"x-session-affinity")
 """Headers that name the client's session, most specific first: kvgate's and vLLM's own, then what agentic clients
 send (Claude Code's, Codex's and other routers' conventions)."""
-_CLIENT_HEADERS = frozenset((b"x-request-id", b"authorization", b"x-api-key", *SESSION_HEADERS))
+PRIORITY_HEADER = b"x-vllm-priority"
+_CLIENT_HEADERS = frozenset((b"x-request-id", b"authorization", b"x-api-key", PRIORITY_HEADER, *SESSION_HEADERS))
 
 
 @dataclass(slots=True)
@@ -41,6 +42,8 @@ class ClientHeaders:
     authorization: str | None = None
     session_header: str = "x-session-id"
     """The header the session id came in."""
+    priority: str | None = None
+    """``X-Vllm-Priority``, as sent (:func:`kvgate.router.pipeline.bodies.priority_of` reads it)."""
 
     @classmethod
     def of(cls, scope: Scope) -> ClientHeaders:
@@ -52,7 +55,8 @@ class ClientHeaders:
         authorization = found.get(b"authorization")
         if authorization is None and b"x-api-key" in found:
             authorization = f"Bearer {found[b'x-api-key']}"
-        return cls(found.get(b"x-request-id"), found.get(header), authorization, header.decode())
+        return cls(found.get(b"x-request-id"), found.get(header), authorization, header.decode(),
+                   found.get(PRIORITY_HEADER))
 
 
 @dataclass(slots=True)

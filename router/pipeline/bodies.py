@@ -207,3 +207,22 @@ def form_field(raw: bytes, content_type: str, name: str, max_chars: int = 1024) 
         return value.decode()
     except UnicodeDecodeError:
         raise ApiError(400, f"form field {name!r} is not UTF-8", param=name, code="invalid_body") from None
+
+
+PRIORITY_RANGE = 2**31
+"""A priority is a 32-bit signed integer, as vLLM's scheduler keeps it."""
+
+
+def priority_of(value: object, param: str) -> int | None:
+    """A request's priority (the body's ``priority`` field, or the ``X-Vllm-Priority`` header's text), or None when
+    it names none; anything but an integer in range is an :class:`ApiError`."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            value = None
+    if type(value) is not int or not -PRIORITY_RANGE <= value < PRIORITY_RANGE:
+        raise ApiError(400, f"'{param}' must be an integer", param=param, code="invalid_value")
+    return value

@@ -8,14 +8,13 @@ toward its prefix's heat (:mod:`kvgate.router.routing.replication`).
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 
 from starlette.requests import Request
 
 from kvgate.router.fleet.attempts import Attempts, Load, Upstream
 from kvgate.router.fleet.state import Fleet
-from kvgate.router.pipeline.disconnect import cancel_on_disconnect, left_early
+from kvgate.router.pipeline.disconnect import while_connected
 from kvgate.router.pipeline.parse import Parsed
 from kvgate.router.routing.handoff.base import HandoffRequest, Handoffs
 from kvgate.router.routing.predictions import Predictions
@@ -81,24 +80,3 @@ class Forwarder:
         """Sent to ``replica``: its blocks predicted there, the session remembered, the prefix's heat counted."""
         if self.predictions.dispatched(routed, replica):
             self.replication.record(routed)
-
-
-async def while_connected(request: Request, forward: Awaitable[Upstream]) -> Upstream | None:
-    """``forward`` (the request's upstream legs), cancelled the moment the client disconnects (None then): closing
-    the upstream connection makes the engine abort the sequence, even during a long prefill before any byte came
-    back — a handoff's prefill leg included, whose KV would otherwise stay held for a decode leg that never comes.
-
-    The forward runs in the request's own task and only the watcher is a second one, which cancels this task when
-    the client leaves: a task for the forward plus ``asyncio.wait`` cost more CPU per request."""
-    task = asyncio.current_task()
-    assert task is not None
-    watcher = asyncio.ensure_future(cancel_on_disconnect(request.receive, task))
-    try:
-        return await forward
-    except asyncio.CancelledError:
-        if left_early(watcher):
-            task.uncancel()
-            return None
-        raise
-    finally:
-        watcher.cancel()

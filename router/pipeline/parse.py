@@ -17,7 +17,7 @@ from kvgate.router.apis.base import Api
 from kvgate.router.core.errors import ApiError
 from kvgate.router.core.tenants import TenantResolver
 from kvgate.router.pipeline.bodies import (
-    client_salt, form_field, parse_body, refuse_engine_steering, required_model, wants_stream,
+    client_salt, form_field, parse_body, priority_of, refuse_engine_steering, required_model, wants_stream,
 )
 from kvgate.router.routing.catalog import ModelCatalog
 
@@ -39,6 +39,8 @@ class Parsed:
     """The request's output budget, when its API says one."""
     session_id: str | None = None
     """A session key the body carries (:attr:`~kvgate.router.apis.base.Api.session_of`)."""
+    priority: int | None = None
+    """The body's ``priority`` (vLLM's: lower runs first), when it names one."""
 
 
 def parse(
@@ -58,7 +60,9 @@ def parse(
     if session_id is not None and len(session_id) > max_id_chars:
         raise ApiError(400, f"the session key has {len(session_id)} characters; the limit is {max_id_chars}",
                        param="prompt_cache_key", code="invalid_value")
-    return Parsed(raw, body, model, wants_stream(body), client_salt(body), api, api.max_tokens(body), session_id)
+    return Parsed(raw, body, model, wants_stream(body), client_salt(body), api, api.max_tokens(body), session_id,
+                  priority_of(body.get("priority"), "priority"))
+
 
 
 def parse_forwarded(

@@ -83,7 +83,9 @@ class ModelTokenizer:
         )
         return self.templates.render(prompt)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **options: Any) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **options: Any,
+    ) -> list[int]:
         """Token ids of a chat prompt: template rendered, then encoded without adding special tokens (vLLM's chat
         default), since the template writes them itself. ``options`` are :meth:`render_chat`'s keyword options."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **options), add_special_tokens=False)

@@ -2,9 +2,9 @@
 
 The root of the schema: each section is defined next to the component that reads it (those several floors of the
 gateway read in :mod:`kvgate.router.core.config`, the upstream client's in :mod:`kvgate.router.upstream.config`, the
-fleet's in :mod:`kvgate.router.fleet.config`, routing's in :mod:`kvgate.router.routing.config`, the peers' in
-:mod:`kvgate.router.peers.config`, the policies' and the cost model's in :mod:`kvgate.policies.config`) and assembled
-here. Every field has a default and a docstring;
+fleet's in :mod:`kvgate.router.fleet.config`, routing's in :mod:`kvgate.router.routing.config`, admission's in
+:mod:`kvgate.router.admission.config`, the peers' in :mod:`kvgate.router.peers.config`, the policies' and the cost
+model's in :mod:`kvgate.policies.config`) and assembled here. Every field has a default and a docstring;
 docs/configuration.md lists them. A bad file is rejected with the dotted path of the offending field (pydantic's
 ``loc``) and the problem. Unknown keys are errors, so a typo never silently does nothing.
 """
@@ -20,6 +20,7 @@ from kvgate.policies.config import (
     CalibrationConfig, DisaggregationConfig, PolicyConfig, ReplicationConfig, TransferConfig,
 )
 from kvgate.policies.section import Section
+from kvgate.router.admission.config import AdmissionConfig
 from kvgate.router.core.config import IndexConfig, LimitsConfig, ModelConfig, ServerConfig, TenantsConfig
 from kvgate.router.core.errors import ConfigError
 from kvgate.router.fleet.config import DiscoveryConfig, ReplicaConfig
@@ -52,6 +53,7 @@ class KvgateConfig(Section):
     peers: PeersConfig = PeersConfig()
     parity: ParityConfig = ParityConfig()
     responses: ResponsesConfig = ResponsesConfig()
+    admission: AdmissionConfig = AdmissionConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> "KvgateConfig":

@@ -21,7 +21,7 @@ from tests.support import Sim, start_sim, wait_until_async
 
 pytestmark = pytest.mark.integration
 
-STAGES = ["admit", "parse", "tokenize", "route", "forward", "relay", "account"]
+STAGES = ["admit", "parse", "tokenize", "queue", "route", "forward", "relay", "account"]
 """The request path's stage modules in ``router/pipeline/``, in the order a request passes them."""
 LOWER = ("router/upstream/", "router/core/")
 """What the proxy may call: its own folder and the kernel."""
