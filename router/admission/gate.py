@@ -53,7 +53,7 @@ class Ticket:
     """Replicas it may not be routed to: the headroom kept for other tenants when it was let through."""
     released: bool = False
 
-    def release(self, *_: object) -> None:
+    def release(self) -> None:
         if not self.released:
             self.released = True
             self.gate.finished(self)

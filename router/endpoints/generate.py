@@ -34,12 +34,10 @@ class Generate:
             if ticket is None:
                 return self.proxied.left_waiting(admission, api)
             routed = self.route.route(prompt, admission, admitted.parsed.stream)
-        except ApiError as e:
+        except BaseException as err:
             if ticket is not None:
                 ticket.release()
-            return self.proxied.refuse(e, admission, api)
-        except BaseException:
-            if ticket is not None:
-                ticket.release()
+            if isinstance(err, ApiError):
+                return self.proxied.refuse(err, admission, api)
             raise
         return await self.proxied.answer(request, api.path, admitted, routed, ticket=ticket)

@@ -106,13 +106,11 @@ class ProxiedRequests:
         api = parsed.api
         try:
             up = await self.forwarder.send(request, path, parsed, routed, admitted.upstream_headers, method)
-        except AttemptFailed as failed:
+        except BaseException as err:
             if ticket is not None:
                 ticket.release()
-            return self.accounting.failed(failed, routed, admission, self.holder.current.proxy.max_attempts, api)
-        except BaseException:
-            if ticket is not None:
-                ticket.release()
+            if isinstance(err, AttemptFailed):
+                return self.accounting.failed(err, routed, admission, self.holder.current.proxy.max_attempts, api)
             raise
         if up is None:
             if ticket is not None:

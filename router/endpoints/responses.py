@@ -93,13 +93,11 @@ class Responses:
             if ticket is None:
                 return self.proxied.left_waiting(admission, api)
             routed = self.route.route(prompt, admission, parsed.stream)
-        except ApiError as e:
+        except BaseException as err:
             if ticket is not None:
                 ticket.release()
-            return self.proxied.refuse(e, admission, api)
-        except BaseException:
-            if ticket is not None:
-                ticket.release()
+            if isinstance(err, ApiError):
+                return self.proxied.refuse(err, admission, api)
             raise
         stores = parsed.body.get("store") is not False
 
