@@ -375,6 +375,17 @@ class PrefixIndex:
         if fresh:
             heapq.heappush(self._predicted_expiry, (deadline, slot, tuple(fresh)))
 
+    def unpredict(self, replica: str, keys: Sequence[int]) -> None:
+        """The engine answered without reusing ``keys`` kvgate predicted on ``replica``: drop those predictions
+        (confirmed holdings stay; their events settle them)."""
+        slot = self._slots.get(replica)
+        deadlines = None if slot is None else self._predicted_deadlines.get(slot)
+        if not deadlines:
+            return
+        for key in keys:
+            if deadlines.pop(key, None) is not None:
+                self._unpredict(key, slot)
+
     def _unpredict(self, key: int, slot: int) -> None:
         mask = self._predicted.get(key, 0) & ~(1 << (slot * _TIERS))
         if mask:

@@ -137,7 +137,7 @@ class Gateway:
         self.queue_stage = QueueStage(self.admission)
         self.forwarder = Forwarder(self.attempts, self.fleet, self.predictions, self.replication, self.handoffs,
                                    config.proxy)
-        self.accounting = Accounting(self.metrics, self.request_log, self.parity)
+        self.accounting = Accounting(self.metrics, self.request_log, self.parity, self.predictions)
         self.fleet.listeners.append(self.feed)
         self._register_collectors()
         self.holder.subscribe(self.reconfigure)

@@ -1,6 +1,7 @@
 """The account stage: what each request did, in the metrics, in its one JSON log line (every proxied request has
-exactly one), as a sample for the parity monitor (the engine's counts against kvgate's), and (for a streamed first
-token) as a sample for the cost model's calibration."""
+exactly one), as a sample for the parity monitor (the engine's counts against kvgate's), as the test of the blocks
+predicted where it went (the engine's reuse refutes those it did not reuse), and (for a streamed first token) as a
+sample for the cost model's calibration."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvgate.router.fleet.attempts import Upstream
 from kvgate.router.pipeline.admit import Admission
 from kvgate.router.pipeline.relay import StreamResult, kvgate_headers
 from kvgate.router.routing.parity import ParityMonitor, Sample
+from kvgate.router.routing.predictions import Predictions
 from kvgate.router.routing.records import Routed
 from kvgate.router.upstream.proxy import AttemptFailed
 
@@ -32,10 +34,12 @@ def _elapsed_ms(admission: Admission, until: float | None = None) -> float:
 
 
 class Accounting:
-    def __init__(self, metrics: GatewayMetrics, request_log: RequestLogger, parity: ParityMonitor) -> None:
+    def __init__(self, metrics: GatewayMetrics, request_log: RequestLogger, parity: ParityMonitor,
+                 predictions: Predictions) -> None:
         self.metrics = metrics
         self.request_log = request_log
         self.parity = parity
+        self.predictions = predictions
 
     def rejected(self, err: ApiError, admission: Admission, api: Api | None) -> None:
         """Refused before routing (auth, limits, a bad body or prompt, no replica)."""
@@ -132,6 +136,8 @@ class Accounting:
         if usage is not None and api is not None and routed.tokenized is not None and routed.routing is not None \
                 and routed.whole:
             self.parity.observe(parity_sample(routed, api, up.replica, usage))
+            if cached is not None and routed.prefills:
+                self.predictions.refuted(routed, up.replica, cached)
         if stream:
             m.ttft.labels(hit).observe(ttft_ms / 1000.0)
             if end == "ok" and up.status == 200:

@@ -1,7 +1,10 @@
 """What a dispatch leaves behind for the requests after it: the prompt's blocks predicted on the replica it went to
 (so a burst of siblings does not all miss before the first ``BlockStored`` arrives), and its session's replica.
 
-Predictions are told to ``on_predicted`` too (peer gateways' routing hints, :mod:`kvgate.router.peers.hints`).
+Predictions are told to ``on_predicted`` too (peer gateways' routing hints, :mod:`kvgate.router.peers.hints`). An
+answer that reused less than was predicted refutes the rest: a chain the engine holds but kvgate cannot confirm (its
+stores were forgotten, so later ones are orphans) is otherwise predicted again by every dispatch while the engine
+evicts its tail between requests.
 """
 
 from __future__ import annotations
@@ -39,3 +42,13 @@ class Predictions:
             if self.on_predicted is not None:
                 self.on_predicted(replica, keys)
         return bool(keys)
+
+    def refuted(self, routed: Routed, replica: str, reused_tokens: int) -> None:
+        """``replica`` answered having reused ``reused_tokens`` of the prompt: its blocks past those are not
+        predicted there any more (a prediction of them, this request's own included, would credit the next request
+        with blocks the engine has just shown it can lose)."""
+        keys = routed.keys_for(replica)
+        if not keys or routed.matched_tokens(replica) <= reused_tokens:
+            return
+        block_size = routed.block_sizes.get(replica, routed.request.block_size)
+        self.index.unpredict(replica, keys[reused_tokens // block_size:])

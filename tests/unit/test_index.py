@@ -255,3 +255,15 @@ def test_a_replica_that_was_evicting_still_is_after_a_reset_that_kept_its_cache(
     index.reset_replica("a", 2, wiped=True)
     index.store("a", k, Tier.GPU, 2)
     assert index.surviving_blocks("a", k, capacity_blocks=100, incoming_blocks=2) == 4
+
+
+def test_unpredict_drops_predictions_and_keeps_confirmed_blocks() -> None:
+    index = PrefixIndex(predicted_ttl_s=10.0)
+    k = keys(4)
+    index.store("a", k[:2], Tier.GPU, 0)
+    index.predict("a", k)
+    index.predict("b", k)
+    index.unpredict("a", k[1:])
+    assert index.lookup(k, BS) == {"a": PrefixMatch(gpu=8), "b": PrefixMatch(predicted=16)}
+    assert index.stats().predicted_entries == 4
+    index.unpredict("c", k)  # a replica never seen: nothing to drop
