@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from kvgate.router.apis.base import Api, Usage
-from kvgate.router.apis.fields import chat_template_of, optional
+from kvgate.router.apis.fields import chat_template_of, one_of, optional
 from kvgate.router.apis.openai import MAX_HELD_BYTES, MEDIA_PART_TYPES, engine_tools
 from kvgate.router.apis.sse import complete_events, event
 from kvgate.router.core.errors import ErrorShape
@@ -110,7 +110,7 @@ def _blocks(content: Any, param: str, role: str) -> list[dict[str, Any]] | str:
         raise PromptError("content must be a string or a list of content blocks", param)
     for j, block in enumerate(content):
         where = f"{param}.{j}"
-        if not isinstance(block, dict) or block.get("type") not in BLOCK_TYPES:
+        if not isinstance(block, dict) or not one_of(block.get("type"), BLOCK_TYPES):
             raise PromptError(f"unsupported content block type {_type_of(block)!r}", f"{where}.type")
         for name, kind in (("text", str), ("source", dict), ("id", str), ("tool_use_id", str), ("name", str),
                            ("input", dict), ("is_error", bool), ("tool_name", str), ("thinking", str),
@@ -157,7 +157,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
         raise PromptError("'messages' must be a list of messages", "messages")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
+        if not isinstance(message, dict) or not one_of(message.get("role"), ROLES):
             raise PromptError("a message must be an object with role user, assistant or system", f"messages.{i}.role")
         _blocks(message.get("content"), f"messages.{i}.content", message["role"])
     return messages
@@ -176,12 +176,12 @@ def _check_request(body: dict[str, Any], *, generates: bool) -> None:
         _blocks(body["system"], "system", "user")  # the system field takes no tool changes, as a user message
     choice = optional(body, "tool_choice", dict)
     if choice is not None:
-        if choice.get("type") not in TOOL_CHOICES:
+        if not one_of(choice.get("type"), TOOL_CHOICES):
             raise PromptError("tool_choice.type must be auto, any, tool or none", "tool_choice.type")
         if choice["type"] == "tool" and not (isinstance(choice.get("name"), str) and choice["name"]):
             raise PromptError("tool_choice.name is required when type is 'tool'", "tool_choice.name")
     config = optional(body, "output_config", dict)
-    if config is not None and config.get("effort") is not None and config["effort"] not in EFFORTS:
+    if config is not None and config.get("effort") is not None and not one_of(config["effort"], EFFORTS):
         raise PromptError("output_config.effort must be one of low, medium, high, xhigh, max", "output_config.effort")
     thinking = optional(body, "thinking", dict)
     if thinking is not None and thinking.get("type") not in ("enabled", "disabled", "adaptive"):
@@ -378,7 +378,7 @@ def _chat_prompt(body: dict[str, Any], *, generates: bool) -> ChatPrompt:
     merged = conversation(body, merge_inline_system=True) if any(m["role"] == "system" for m in messages) else None
     thinking = body.get("thinking")
     config = body.get("output_config")
-    has_media = any(isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES
+    has_media = any(isinstance(part, dict) and one_of(part.get("type"), MEDIA_PART_TYPES)
                     for m in in_place if isinstance(m.get("content"), list) for part in m["content"])
     return ChatPrompt(
         messages=in_place,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 from kvgate.router.prompts.prompt import PromptError
@@ -16,6 +17,12 @@ def optional(body: dict[str, Any], name: str, kind: type, param: str | None = No
     if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
         raise PromptError(f"'{name}' must be {KIND_NAMES.get(kind, kind.__name__)}", param or name)
     return value
+
+
+def one_of(value: Any, choices: Container[str]) -> bool:
+    """Whether ``value`` is one of the string ``choices``: a client's list or object where a name belongs is none
+    of them (and never reaches a set's hash)."""
+    return isinstance(value, str) and value in choices
 
 
 def optional_bool(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:

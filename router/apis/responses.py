@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from kvgate.router.apis.base import Api, Usage
-from kvgate.router.apis.fields import chat_template_of, optional
+from kvgate.router.apis.fields import chat_template_of, one_of, optional
 from kvgate.router.apis.openai import MAX_HELD_BYTES, MEDIA_PART_TYPES, engine_tools, prompt_cache_key
 from kvgate.router.apis.sse import complete_events, event
 from kvgate.router.core.errors import OPENAI_ERRORS, ApiError, ErrorShape
@@ -195,7 +195,7 @@ def continues_final_message(body: dict[str, Any]) -> bool:
     if not isinstance(items, list) or not items or not isinstance(items[-1], dict):
         return False
     last = items[-1]
-    return last.get("type", "message") in ("message", "reasoning") and last.get("status") in PARTIAL_STATUSES
+    return last.get("type", "message") in ("message", "reasoning") and one_of(last.get("status"), PARTIAL_STATUSES)
 
 
 def _function_tools(tools: list[Any]) -> list[dict[str, Any]]:
@@ -245,7 +245,7 @@ def responses_prompt(body: dict[str, Any], history: History | None = None) -> Ch
     reasoning = optional(body, "reasoning", dict)
     kwargs = optional(body, "chat_template_kwargs", dict)
     continues = continues_final_message(body)
-    has_media = any(isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES
+    has_media = any(isinstance(part, dict) and one_of(part.get("type"), MEDIA_PART_TYPES)
                     for m in messages if isinstance(m.get("content"), list) for part in m["content"])
     return ChatPrompt(
         messages=messages,

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvgate.cache_index.events import DecodedBatch, MalformedBatch, decode_batch, decode_batch_object
@@ -159,6 +159,10 @@ responses_bodies = st.fixed_dictionaries(
 @FUZZ
 @given(body=st.one_of(messages_bodies.map(lambda b: ("messages", b)), messages_bodies.map(lambda b: ("count_tokens", b)),
                       responses_bodies.map(lambda b: ("responses", b))))
+@example(body=("messages", {"model": "m", "messages": [{"role": "user", "content": [{"type": []}]}]}))
+@example(body=("responses", {"model": "m", "input": [{"role": "user", "content": [{"type": []}]}]}))
+@example(body=("messages", {"model": "m", "messages": [{"role": ["user"], "content": "x"}], "tool_choice": {"type": {}},
+                            "output_config": {"effort": []}}))
 def test_agent_api_bodies_are_accepted_or_a_client_error(body: tuple[str, dict[str, Any]]) -> None:
     """Bodies shaped like the agents' APIs, deep enough to reach the conversion to vLLM's conversation."""
     endpoint, fields = body
