@@ -13,11 +13,11 @@ Runs per repeat, in a rotated order:
 - ``no-admission``: both tenants, ``admission.enabled: false``;
 - ``round-robin``: both tenants, the round_robin policy, admission off.
 
-Printed per run and as medians over repeats: the interactive tenant's TTFT p50/p99/mean (at the client) and p99 on
-the sim's own clock (its engine queue and prefill alone), and how many of its
+Printed per run and as medians over repeats (the lower middle one of an even count): the interactive tenant's TTFT
+p50/p99/mean (at the client) and p99 on the sim's own clock (its engine queue and prefill alone), and how many of its
 requests did not get a 200; the flooding tenant's goodput (answered requests per second, from the run's start to its
-last answer), its refusals
-(429/503, and how many of them carried ``Retry-After``) and everything else it got (timeouts, 5xx, other errors).
+last answer), its refusals (429/503, and how many of them carried ``Retry-After``) and everything else it got
+(timeouts, 5xx, other errors).
 Run by hand: ``.venv/bin/python benchmarks/bench_admission.py [--repeats 3] [--duration 40]``.
 """
 
@@ -212,7 +212,7 @@ async def main() -> None:
     print(HEADER)
     for run in runs:
         mine = [o for o in outcomes if o.run == run]
-        median = Outcome(run, *(statistics.median(getattr(o, f) for o in mine)
+        median = Outcome(run, *(statistics.median_low(getattr(o, f) for o in mine)
                                 for f in list(Outcome.__dataclass_fields__)[1:]))  # type: ignore[arg-type]
         print(row(median))
     alone = {i: o for i, o in enumerate(o for o in outcomes if o.run == "alone")}
