@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import random
 import shlex
 import signal
@@ -398,13 +399,40 @@ def attach_engine_view(records: list[RequestRecord], fleet: BenchFleet) -> None:
             record.replica = record.replica or name
             if ttft is not None:
                 record.engine_ttft_ms = float(ttft)
+            queue = entry.get("queue_ms")
+            if isinstance(queue, (int, float)):
+                record.engine_queue_ms = float(queue)
             gaps = entry.get("itl_ms")
             if isinstance(gaps, list):
                 record.engine_itl_ms = [float(g) for g in gaps if isinstance(g, (int, float))]
     for request_id, leg_ms in first_legs.items():
         record = by_id[request_id]
+        record.engine_queue_ms = None  # two queues: not one the prediction's queue term can be held to
         if record.engine_ttft_ms is not None:
             record.engine_ttft_ms += leg_ms
+
+
+def attach_predictions(records: list[RequestRecord], logs: list[Path]) -> None:
+    """Fill in kvgate's predictions (its ``kvgate.requests`` log lines, matched by request id): the TTFT and queue
+    delay the cost model predicted on the replica that served each request."""
+    by_id = {r.request_id: r for r in records}
+    for path in logs:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if not line.startswith("{") or '"predicted_ttft_ms"' not in line:
+                continue
+            try:
+                fields = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(fields, dict) or (record := by_id.get(fields.get("id"))) is None:
+                continue
+            ttft, queue = fields.get("predicted_ttft_ms"), fields.get("predicted_queue_ms")
+            if isinstance(ttft, (int, float)) and isinstance(queue, (int, float)):
+                record.predicted_ttft_ms, record.predicted_queue_ms = float(ttft), float(queue)
 
 
 def _is_first_leg(entry: dict[str, Any]) -> bool:
@@ -630,6 +658,8 @@ def _run_one(
             cpu_after = (_cpu_seconds(pids), group_cpu_seconds(fleet.pid))
             counters = _summed([scrape_gateway_counters(gw.url) for gw in gateways]) if name not in PEERS else None
         attach_engine_view(records, fleet)
+        if name not in PEERS:  # stopped, the gateways have flushed their request logs
+            attach_predictions(records, [gw.log_path for gw in gateways if gw.log_path is not None])
         return records, fleet.replica_names, gateways[0].url, RunCost(
             router_cpu_s=_delta(cpu_before[0], cpu_after[0]), sim_cpu_s=_delta(cpu_before[1], cpu_after[1]),
             counters=counters, engines=sim_totals(fleet),

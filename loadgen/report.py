@@ -191,7 +191,49 @@ def summarize(
     for name in ("ttft", "engine_ttft"):
         mean = out[f"{name}_mean_ms"]
         out[f"{name}_vs_oracle"] = mean / floor if floor and not _missing(mean) and not _missing(floor) else math.nan
+    out.update(prediction_audit(ok))
     return out
+
+
+AUDIT_TERMS = ("ttft", "queue", "prefill")
+"""The terms of kvgate's predicted TTFT the audit holds to the engine's clock: the whole, the queue delay, and the
+rest (prefill and loads of lower tiers)."""
+
+
+def prediction_audit(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """kvgate's predicted TTFT against the engine's model clock, per term, over the one-leg requests that have
+    both: ``audit_compared``, and per term its bias (median of predicted − engine) and its mean absolute error. A
+    term that is persistently off shows as a bias; one that predicts nothing as an error as large as the term."""
+    pairs = [(r.predicted_ttft_ms, r.predicted_queue_ms, r.engine_ttft_ms, r.engine_queue_ms) for r in records
+             if r.predicted_ttft_ms is not None and r.predicted_queue_ms is not None
+             and r.engine_ttft_ms is not None and r.engine_queue_ms is not None]
+    errors: dict[str, list[float]] = {
+        "ttft": [p - e for p, _, e, _ in pairs],
+        "queue": [pq - eq for _, pq, _, eq in pairs],
+        "prefill": [(p - pq) - (e - eq) for p, pq, e, eq in pairs],
+    }
+    out: dict[str, Any] = {"audit_compared": len(pairs)}
+    for term in AUDIT_TERMS:
+        values = errors[term]
+        out[f"audit_{term}_bias_ms"] = statistics.median(values) if values else math.nan
+        out[f"audit_{term}_mae_ms"] = _mean([abs(v) for v in values])
+    return out
+
+
+def audit_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> list[str]:
+    """The prediction audit per kvgate run that priced its replicas (the cost policy): per term, bias and mean
+    absolute error against the engine's clock."""
+    lines: list[str] = []
+    for name, summary in summaries.items():
+        compared = summary.get("audit_compared")
+        if _missing(compared) or not compared:
+            continue
+        parts = [f"{term} bias {summary[f'audit_{term}_bias_ms']:+.1f} ms, "
+                 f"|error| {summary[f'audit_{term}_mae_ms']:.1f}" for term in AUDIT_TERMS]
+        lines.append(f"- {name} ({compared:,.0f} requests): " + "; ".join(parts))
+    heading = ("Predicted TTFT against the engine's clock (predicted − engine), per term"
+               + (" (median across repeats)" if medians else "") + ":")
+    return ["", heading, ""] + lines if lines else []
 
 
 LAG_WARNING_MS = 100.0
@@ -411,6 +453,7 @@ def markdown_report(title: str, meta: dict[str, Any], summaries: dict[str, dict[
         lines += ["", "## Wins per repeat", "",
                   f"{candidate} against each baseline in the same repeat (a tie is not a win):", ""]
         lines += [f"- {w.sentence()}" for w in wins]
+    lines += audit_lines(summaries, medians=ranges is not None)
     lines += gateway_counter_lines(summaries, medians=ranges is not None)
     return "\n".join(lines) + "\n"
 
@@ -462,6 +505,8 @@ def print_table(title: str, summaries: dict[str, dict[str, Any]], ratios: dict[s
         for w in wins:
             colour = "green" if w.compared and w.wins == w.compared else "red"
             console.print(f"  [{colour}]{w.sentence()}[/]")
+    for line in audit_lines(summaries, medians=ranges is not None):
+        console.print(line, markup=False)
 
 
 def write_results(out_dir: Path, meta: dict[str, Any], runs: dict[str, Sequence[RequestRecord]],

@@ -60,6 +60,14 @@ class RequestRecord:
     engine_itl_ms: list[float] = field(default_factory=list)
     """Gaps between generated tokens on the engine clock of the replica that streamed the answer (unscaled ms);
     filled in like ``engine_ttft_ms``."""
+    engine_queue_ms: float | None = None
+    """Time in the engine's waiting queue on its model clock (one-leg requests only); filled in like
+    ``engine_ttft_ms``."""
+    predicted_ttft_ms: float | None = None
+    """kvgate's predicted TTFT for the request on the replica that served it, from its request log line (None for
+    other routers, and for policies that price no replica)."""
+    predicted_queue_ms: float | None = None
+    """The queue delay within ``predicted_ttft_ms``."""
     retry_after: str | None = None
     """A refusal's ``Retry-After`` header, when it carried one."""
     id_prefix: str = "loadgen"

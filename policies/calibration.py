@@ -1,9 +1,11 @@
 """Online calibration of the prefill cost model from what the router observes.
 
-Every completed request tells the router its prompt and cached token counts, its time to first token, and the
-queue delay the cost model predicted when it was dispatched. ``ttft − queue delay`` is then one noisy sample of
-``prefill_ms(uncached tokens)``; a robust straight-line fit over a bounded window of such samples refines the
-``fixed_ms`` and ``per_token_ms`` coefficients the policy file started from.
+Every completed request tells the router its prompt and cached token counts, its time to first token, and the work
+the cost model counted ahead of it when it was dispatched (its queue delay before ``queue_scale``). ``ttft`` is then
+one noisy sample of ``queue_scale · work ahead + prefill_ms(uncached tokens)``; a robust linear fit over a bounded
+window of such samples refines ``fixed_ms``, ``per_token_ms`` and ``queue_scale`` from the policy file's values. A
+queue term that predicts nothing (an engine that batches what the model counts as queued) fits a scale near 0, and
+the policy stops leaning on it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from kvgate.policies.config import CalibrationConfig, PrefillCost
 HUBER_K = 1.345
 """Huber's tuning constant: 95% efficiency on Gaussian noise, bounded influence for everything beyond."""
 MIN_TOKEN_SPREAD = 64
-"""Below this spread of uncached-token counts in the window, the slope is not identifiable: only fixed_ms is fitted."""
+"""Below this spread of uncached-token counts in the window, the slope is not identifiable: it is kept."""
+MIN_QUEUE_SPREAD_MS = 10.0
+"""Below this spread of the work counted ahead (ms), the queue scale is not identifiable: it is kept."""
 MAX_ITERATIONS = 50
 
 
@@ -34,17 +38,23 @@ class CalibrationState:
     """False until ``min_samples`` observations arrived (the policy file's coefficients apply)."""
     fixed_ms: float
     per_token_ms: float
+    queue_scale: float
     clamped: bool
-    """The fit wanted a coefficient beyond ``(1 ± max_change)`` × the policy file's value."""
+    """The fit wanted a coefficient beyond its bounds (``(1 ± max_change)`` × the policy file's value; the queue
+    scale from 0)."""
 
 
 class Calibrator:
-    """Fits ``ttft − queue_delay ≈ fixed_ms + per_token_ms · uncached`` by Huber-weighted least squares (IRLS).
+    """Fits ``ttft ≈ fixed_ms + per_token_ms · uncached + queue_scale · work_ahead`` by Huber-weighted least
+    squares (IRLS).
 
     * Robust: residual scale is the MAD, and samples beyond ``1.345 × scale`` get weight ``1.345 × scale / |r|``,
       so one wild TTFT (a GC pause, a preemption) moves the fit by a bounded amount, not in proportion to its size.
-    * Bounded: the last ``window`` samples only; nothing is fitted before ``min_samples``; each coefficient stays
-      within ``(1 ± max_change)`` × the policy file's value, so a bad stretch of data cannot make the router absurd.
+    * Bounded: the last ``window`` samples only; nothing is fitted before ``min_samples``; ``fixed_ms`` and
+      ``per_token_ms`` stay within ``(1 ± max_change)`` × the policy file's values and ``queue_scale`` between 0
+      and ``(1 + max_change)`` × the file's, so a bad stretch of data cannot make the router absurd.
+    * Identifiable only: the slope is fitted when the uncached counts spread by ``MIN_TOKEN_SPREAD`` tokens, the
+      queue scale when the work ahead spreads by ``MIN_QUEUE_SPREAD_MS``; otherwise each keeps the file's value.
     * No idle drift: the fit is a pure function of the window, recomputed only when a sample arrives.
     * The quadratic term and ``decode_ms_per_token`` are kept from the policy file (the quadratic share is
       subtracted from each sample before fitting).
@@ -55,30 +65,31 @@ class Calibrator:
     def __init__(self, config: CalibrationConfig, base: PrefillCost) -> None:
         self.config = config
         self.base = base
-        self._samples: deque[tuple[float, float]] = deque(maxlen=config.window)
+        self._samples: deque[tuple[float, float, float]] = deque(maxlen=config.window)
         self._rejected = 0
         self._dirty = False
         self._current = base
         self._clamped = False
 
-    def observe(self, prompt_tokens: int, cached_tokens: int, ttft_ms: float, queue_delay_ms_at_dispatch: float) -> bool:
-        """Add one completed request; returns False (and counts it) when the numbers cannot be a valid sample."""
+    def observe(self, prompt_tokens: int, cached_tokens: int, ttft_ms: float, work_ahead_ms: float) -> bool:
+        """Add one completed request (``work_ahead_ms``: the cost model's queue delay at dispatch, before
+        ``queue_scale``); returns False (and counts it) when the numbers cannot be a valid sample."""
         if not self.config.enabled:
             return False
         valid = (
             prompt_tokens > 0
             and 0 <= cached_tokens <= prompt_tokens
             and math.isfinite(ttft_ms)
-            and math.isfinite(queue_delay_ms_at_dispatch)
+            and math.isfinite(work_ahead_ms)
             and ttft_ms > 0
-            and queue_delay_ms_at_dispatch >= 0
+            and work_ahead_ms >= 0
         )
         if not valid:
             self._rejected += 1
             return False
         uncached = prompt_tokens - cached_tokens
         quadratic = self.base.quadratic_ms * (prompt_tokens**2 - cached_tokens**2) / 1e6
-        self._samples.append((float(uncached), ttft_ms - queue_delay_ms_at_dispatch - quadratic))
+        self._samples.append((float(uncached), work_ahead_ms, ttft_ms - quadratic))
         self._dirty = True
         return True
 
@@ -102,47 +113,92 @@ class Calibrator:
             fitted=current is not self.base,
             fixed_ms=current.fixed_ms,
             per_token_ms=current.per_token_ms,
+            queue_scale=current.queue_scale,
             clamped=self._clamped,
         )
 
     def _refit(self) -> None:
-        xs = [x for x, _ in self._samples]
-        ys = [y for _, y in self._samples]
-        fit_slope = max(xs) - min(xs) >= MIN_TOKEN_SPREAD
-        fixed, per_token = _huber_line(xs, ys, self.base.per_token_ms, fit_slope)
+        base = self.base
+        tokens = [x for x, _, _ in self._samples]
+        ahead = [q for _, q, _ in self._samples]
+        ttfts = [y for _, _, y in self._samples]
+        free = (True, max(tokens) - min(tokens) >= MIN_TOKEN_SPREAD, max(ahead) - min(ahead) >= MIN_QUEUE_SPREAD_MS)
+        fixed, per_token, scale = _huber_fit([tokens, ahead], ttfts, (base.per_token_ms, base.queue_scale), free)
         low, high = 1 - self.config.max_change, 1 + self.config.max_change
-        clamped_fixed = min(max(fixed, self.base.fixed_ms * low, 0.0), self.base.fixed_ms * high)
-        clamped_slope = min(max(per_token, self.base.per_token_ms * low, 0.0), self.base.per_token_ms * high)
-        self._clamped = not (math.isclose(clamped_fixed, fixed) and math.isclose(clamped_slope, per_token))
-        self._current = self.base.model_copy(update={"fixed_ms": clamped_fixed, "per_token_ms": clamped_slope})
+        clamped_fixed = min(max(fixed, base.fixed_ms * low, 0.0), base.fixed_ms * high)
+        clamped_slope = min(max(per_token, base.per_token_ms * low, 0.0), base.per_token_ms * high)
+        clamped_scale = min(max(scale, 0.0), base.queue_scale * high)
+        self._clamped = not (math.isclose(clamped_fixed, fixed) and math.isclose(clamped_slope, per_token)
+                             and math.isclose(clamped_scale, scale))
+        self._current = base.model_copy(
+            update={"fixed_ms": clamped_fixed, "per_token_ms": clamped_slope, "queue_scale": clamped_scale})
 
 
-def _huber_line(xs: list[float], ys: list[float], slope: float, fit_slope: bool) -> tuple[float, float]:
-    """Huber M-estimate of ``y = a + b·x`` by iteratively reweighted least squares.
+def _huber_fit(
+    columns: list[list[float]], ys: list[float], start: tuple[float, ...], free: tuple[bool, ...],
+) -> tuple[float, ...]:
+    """Huber M-estimate of ``y = a + Σ bⱼ·xⱼ`` (``columns`` are the xⱼ) by iteratively reweighted least squares.
 
-    Starts from a robust guess (the given slope, intercept = median residual). With ``fit_slope`` False only the
-    intercept is estimated (a Huber location estimate of ``y − slope·x``).
+    Only the coefficients marked ``free`` (the intercept first, then one per column) are estimated; the others keep
+    their ``start`` values. In two passes: the intercept and the first slope from a robust guess (the start slopes,
+    intercept = median residual), the residual scale re-estimated (MAD) each iteration; then, when further slopes
+    are free, all of them from that fit with its scale held. Held, the scale cannot grow towards a cluster of late
+    samples that a free slope would otherwise chase (a queue scale turned negative to fit stalls at an empty queue).
     """
-    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
+    n = len(ys)
+    rows = [[1.0, *(col[i] for col in columns)] for i in range(n)]
+    coef = [statistics.median(y - sum(b * x for b, x in zip(start, row[1:])) for y, row in zip(ys, rows)), *start]
+    coef, scale = _irls(rows, ys, coef, [j for j in range(2) if free[j]], None)
+    if any(free[2:]):
+        coef, _ = _irls(rows, ys, coef, [j for j, f in enumerate(free) if f], scale)
+    return tuple(coef)
+
+
+def _irls(
+    rows: list[list[float]], ys: list[float], coef: list[float], fitted: list[int], held_scale: float | None,
+) -> tuple[list[float], float]:
+    """Huber IRLS of the ``fitted`` coefficients from ``coef``; the fit and the last residual scale."""
+    scale = 0.0
     for _ in range(MAX_ITERATIONS):
-        residuals = [y - intercept - slope * x for x, y in zip(xs, ys)]
-        centre = statistics.median(residuals)
-        scale = 1.4826 * statistics.median(abs(r - centre) for r in residuals)
+        residuals = [y - sum(c * x for c, x in zip(coef, row)) for y, row in zip(ys, rows)]
+        if held_scale is None:
+            centre = statistics.median(residuals)
+            scale = 1.4826 * statistics.median(abs(r - centre) for r in residuals)
+        else:
+            scale = held_scale
         cutoff = HUBER_K * scale if scale > 0 else 1e-9
         weights = [1.0 if abs(r) <= cutoff else cutoff / abs(r) for r in residuals]
-        sw = sum(weights)
-        swx = sum(w * x for w, x in zip(weights, xs))
-        swy = sum(w * y for w, y in zip(weights, ys))
-        new_slope = slope
-        if fit_slope:
-            swxx = sum(w * x * x for w, x in zip(weights, xs))
-            swxy = sum(w * x * y for w, x, y in zip(weights, xs, ys))
-            det = sw * swxx - swx * swx
-            if det > 0:
-                new_slope = (sw * swxy - swx * swy) / det
-        new_intercept = (swy - new_slope * swx) / sw
-        converged = abs(new_intercept - intercept) < 1e-6 and abs(new_slope - slope) < 1e-9
-        intercept, slope = new_intercept, new_slope
+        # Weighted normal equations for the fitted coefficients, the others' share taken off each y.
+        targets = [y - sum(coef[j] * row[j] for j in range(len(coef)) if j not in fitted) for y, row in zip(ys, rows)]
+        matrix = [[sum(w * row[j] * row[k] for w, row in zip(weights, rows)) for k in fitted] for j in fitted]
+        vector = [sum(w * row[j] * t for w, row, t in zip(weights, rows, targets)) for j in fitted]
+        solved = _solve(matrix, vector)
+        if solved is None:
+            break
+        new = list(coef)
+        for j, value in zip(fitted, solved):
+            new[j] = value
+        converged = all(abs(a - b) < 1e-9 * max(1.0, abs(a)) for a, b in zip(new, coef))
+        coef = new
         if converged:
             break
-    return intercept, slope
+    return coef, scale
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
+    """``matrix · x = vector`` by Gaussian elimination with partial pivoting; None when singular."""
+    size = len(vector)
+    a = [row[:] + [v] for row, v in zip(matrix, vector)]
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, size):
+            factor = a[r][col] / a[col][col]
+            for c in range(col, size + 1):
+                a[r][c] -= factor * a[col][c]
+    x = [0.0] * size
+    for r in range(size - 1, -1, -1):
+        x[r] = (a[r][size] - sum(a[r][c] * x[c] for c in range(r + 1, size))) / a[r][r]
+    return x

@@ -23,6 +23,10 @@ class PrefillCost(Section):
     """Extra ms per million squared tokens, for attention's quadratic share on long contexts."""
     decode_ms_per_token: float = Field(0.0, ge=0)
     """Expected per-output-token cost on a busy replica; used to convert running sequences into queue delay."""
+    queue_scale: float = Field(1.0, ge=0)
+    """Multiplies the queue delay the model adds up from the work ahead of a request (the calibrator fits it from
+    measured first tokens: near 0 when that sum predicts nothing, e.g. an engine that batches what it counts as
+    queued)."""
 
 
 class CostPolicyConfig(Section):
@@ -71,12 +75,14 @@ class PolicyConfig(Section):
 
 class CalibrationConfig(Section):
     enabled: bool = True
+    """Fit each model's fixed_ms, per_token_ms and queue_scale from measured first tokens (streamed answers)."""
     window: int = Field(512, ge=16)
     """Observations kept for the robust fit."""
     min_samples: int = Field(32, ge=4)
     """Observations needed before the fit replaces the policy file's coefficients."""
     max_change: float = Field(0.5, gt=0)
-    """Fitted coefficients stay within (1 ± max_change) of the policy file's values."""
+    """Fitted coefficients stay within (1 ± max_change) of the policy file's values (queue_scale between 0 and
+    1 + max_change times the file's)."""
 
 
 class TransferConfig(Section):

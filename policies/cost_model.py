@@ -147,6 +147,11 @@ class CostModel:
         return p.fixed_ms + p.per_token_ms * tokens + quadratic
 
     def queue_delay_ms(self, view: ReplicaView) -> float:
+        """How long a new request on ``view``'s replica waits before its prefill: the :meth:`work_ahead_ms` there
+        times ``queue_scale`` (the calibrator's measure of how much of that work a new request really waits for)."""
+        return self.prefill.queue_scale * self.work_ahead_ms(view)
+
+    def work_ahead_ms(self, view: ReplicaView) -> float:
         """Work ahead of a new request on ``view``'s replica, in ms. Three parts:
 
         * the router's own requests still prefilling there (``in_flight_prefilling`` requests holding

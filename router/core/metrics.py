@@ -300,6 +300,8 @@ PREFILL_SERIES = (
            "by model.", label="model"),
     Series("kvgate_prefill_quadratic_ms", "quadratic_ms", "gauge", "Prefill cost in force: quadratic ms per "
            "million token pairs (long contexts), by model.", label="model"),
+    Series("kvgate_queue_scale", "queue_scale", "gauge", "Queue-delay scale in force (calibrated or the policy "
+           "file's): the share of the work counted ahead of a request that it waits for, by model.", label="model"),
 )
 BLOCK_SIZE_SERIES = (
     Series("kvgate_replica_block_size", "block_size", "gauge", "KV block size (tokens) a replica's lookups are keyed "

@@ -133,6 +133,7 @@ def explain_body(routed: Routed, policy: str, generation_of: Callable[[str], int
             "per_token_ms": prefill.per_token_ms,
             "quadratic_ms": prefill.quadratic_ms,
             "decode_ms_per_token": prefill.decode_ms_per_token,
+            "queue_scale": prefill.queue_scale,
             "calibration": None if calibrator is None else dataclasses.asdict(calibrator.state()),
         },
         "route_ms": round(routed.route_ms, 3),

@@ -142,11 +142,15 @@ class Accounting:
             m.ttft.labels(hit).observe(ttft_ms / 1000.0)
             if end == "ok" and up.status == 200:
                 calibrate(routed, up.replica, ttft_ms, usage)
+        priced = routed.decision.ttft_ms
+        predicted_ttft = priced.get(up.replica) if priced is not None else None
         self.request_log.request(
             id=request.request_id, tenant=request.tenant, api=api.name if api is not None else None,
             model=request.model, replica=up.replica,
             decision=routed.decision.reason, action=routed.decision.action, prompt_tokens=request.prompt_tokens,
             matched_tokens=matched, predicted_tokens=predicted, cached_tokens=cached,
+            predicted_ttft_ms=None if predicted_ttft is None else round(predicted_ttft, 3),
+            predicted_queue_ms=None if predicted_ttft is None else round(routed.queue_delay_ms(up.replica), 3),
             ttft_ms=round(ttft_ms, 3) if stream else None, e2e_ms=round(e2e_ms, 3), status=status,
             attempts=up.attempts, stream=stream,
         )
@@ -171,8 +175,9 @@ def calibrate(routed: Routed, replica: str, ttft_ms: float, usage: Usage | None)
     counts, or the router's when they are exact. Handoffs (transfers, disaggregated requests) are not prefill samples:
     their TTFT is a first leg plus a KV pull, and engines do not report pulled tokens as cached, so they would read as
     a whole prompt prefilled implausibly fast."""
-    calibrator = routed.routing.calibrator if routed.routing is not None else None
-    if calibrator is None or routed.decision.action != "route":
+    routing = routed.routing
+    calibrator = routing.calibrator if routing is not None else None
+    if routing is None or calibrator is None or routed.decision.action != "route":
         return
     if usage is not None and usage.cached_tokens is not None:
         prompt_tokens, cached_tokens = usage.prompt_tokens, usage.cached_tokens
@@ -180,4 +185,6 @@ def calibrate(routed: Routed, replica: str, ttft_ms: float, usage: Usage | None)
         prompt_tokens, cached_tokens = routed.request.prompt_tokens, routed.matched_tokens(replica)
     else:
         return
-    calibrator.observe(prompt_tokens, cached_tokens, ttft_ms, routed.queue_delay_ms(replica))
+    view = routed.views.get(replica)
+    work_ahead_ms = routing.cost_model.work_ahead_ms(view) if view is not None else 0.0
+    calibrator.observe(prompt_tokens, cached_tokens, ttft_ms, work_ahead_ms)

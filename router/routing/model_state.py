@@ -83,12 +83,13 @@ class ModelStates:
         return list(self._models.values())
 
     def coefficients(self) -> dict[str, dict[str, float]]:
-        """Prefill coefficients in force per model (calibrated or the policy file's), for metrics."""
+        """Cost-model coefficients in force per model (calibrated or the policy file's), for metrics."""
         prefills = {model: routing.cost_model.prefill for model, routing in self._models.items()}
         return {
             "fixed_ms": {model: p.fixed_ms for model, p in prefills.items()},
             "per_token_ms": {model: p.per_token_ms for model, p in prefills.items()},
             "quadratic_ms": {model: p.quadratic_ms for model, p in prefills.items()},
+            "queue_scale": {model: p.queue_scale for model, p in prefills.items()},
         }
 
     def refresh_calibration(self) -> None:

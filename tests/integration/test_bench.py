@@ -49,7 +49,13 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
     assert doc["summaries"]["round_robin"]["load_imbalance"] >= 1.0
     assert doc["ratios_to_best_baseline"]["ttft_mean_ms"]["best_baseline"] == "round_robin"
     assert all(r["replica"] and r["engine_ttft_ms"] is not None for r in doc["requests"]["cost"])
-    assert "cost / best baseline" in (out / "report.md").read_text()
+    # The audit: the cost policy's predictions against the engine's clock, from kvgate's request log lines.
+    cost = doc["summaries"]["cost"]
+    assert cost["audit_compared"] == 20 and doc["summaries"]["round_robin"]["audit_compared"] == 0
+    assert all(r["predicted_ttft_ms"] > 0 and r["engine_queue_ms"] is not None for r in doc["requests"]["cost"])
+    assert cost["audit_prefill_mae_ms"] >= 0 and cost["audit_ttft_mae_ms"] >= 0
+    report = (out / "report.md").read_text()
+    assert "cost / best baseline" in report and "Predicted TTFT against the engine's clock" in report
     assert {p.name for p in out.glob("*.png")} == {"ttft_cdf.png", "inflight_per_replica.png", "hit_ratio.png"}
 
     # Every gateway and fleet it started is stopped: none of their ports still answers.

@@ -101,3 +101,31 @@ def test_window_is_bounded() -> None:
     cal = Calibrator(CalibrationConfig(window=64, min_samples=16), BASE)
     feed(cal, 500, random.Random(6))
     assert cal.state().samples == 64
+
+
+@pytest.mark.parametrize("true_scale", [0.0, 0.3, 1.0])
+def test_the_queue_scale_is_fitted_to_how_much_of_the_work_ahead_a_request_waits_for(true_scale: float) -> None:
+    rng = random.Random(11)
+    cal = Calibrator(CalibrationConfig(), BASE)
+    for _ in range(400):
+        prompt = rng.randint(200, 8000)
+        ahead = rng.uniform(0, 400)
+        cal.observe(prompt, 0, TRUE_FIXED + TRUE_PER_TOKEN * prompt + true_scale * ahead + rng.gauss(0, 3), ahead)
+    fitted = cal.current()
+    assert fitted.queue_scale == pytest.approx(true_scale, abs=0.03)
+    assert fitted.fixed_ms == pytest.approx(TRUE_FIXED, abs=1.5)
+    assert fitted.per_token_ms == pytest.approx(TRUE_PER_TOKEN, rel=0.03)
+
+
+def test_the_queue_scale_stays_between_zero_and_max_change_and_is_kept_without_spread() -> None:
+    rng = random.Random(12)
+    over = Calibrator(CalibrationConfig(max_change=0.5), BASE)
+    flat = Calibrator(CalibrationConfig(), BASE)
+    for _ in range(200):
+        prompt = rng.randint(200, 8000)
+        ahead = rng.uniform(0, 400)
+        ttft = TRUE_FIXED + TRUE_PER_TOKEN * prompt
+        over.observe(prompt, 0, ttft + 3.0 * ahead, ahead)
+        flat.observe(prompt, 0, ttft + 0.2 * 5.0, 5.0)  # the same work ahead every time: the scale cannot be told
+    assert over.current().queue_scale == pytest.approx(1.5) and over.state().clamped
+    assert flat.current().queue_scale == BASE.queue_scale

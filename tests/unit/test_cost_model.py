@@ -71,6 +71,14 @@ def test_queue_delay_counts_own_prefills_foreign_waiting_and_decodes() -> None:
     assert m.queue_delay_ms(decoding) == pytest.approx(10 * 0.5)
 
 
+def test_the_queue_delay_is_the_work_ahead_times_the_queue_scale() -> None:
+    own = view(in_flight=3, in_flight_prefilling=3, in_flight_prefill_tokens=6000)
+    scaled = model(PrefillCost(fixed_ms=20, per_token_ms=0.035, queue_scale=0.25))
+    assert scaled.work_ahead_ms(own) == pytest.approx(270)
+    assert scaled.queue_delay_ms(own) == pytest.approx(0.25 * 270)
+    assert scaled.estimate(request(1000), own).ttft_ms == pytest.approx(0.25 * 270 + 20 + 35)
+
+
 def test_estimate_credits_tiers_at_their_load_cost() -> None:
     m = model()
     r = request(10_000)

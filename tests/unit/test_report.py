@@ -146,3 +146,19 @@ def test_results_are_strict_json(tmp_path: Path) -> None:
     assert doc["summaries"]["cost"]["ttft_mean_ms"] is None
     assert doc["requests"]["cost"][0]["status"] == 500
     assert "| TTFT mean (ms) | n/a | n/a |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_prediction_audit_splits_the_error_into_queue_and_prefill() -> None:
+    records = [record(i, "a", 0.0, 0.1, 0.2) for i in range(4)]
+    # (predicted ttft, predicted queue) against (engine ttft, engine queue): the queue over-predicted by 40 ms and
+    # the prefill under-predicted by 10 ms in every request but the last, which the engine never reported.
+    pairs = [(100, 50, 70, 10), (200, 60, 170, 20), (90, 40, 60, 0), (80, 0, None, None)]
+    for r, (pt, pq, et, eq) in zip(records, pairs):
+        r.predicted_ttft_ms, r.predicted_queue_ms, r.engine_ttft_ms, r.engine_queue_ms = pt, pq, et, eq
+    audit = summarize(records)
+    assert audit["audit_compared"] == 3
+    assert audit["audit_ttft_bias_ms"] == pytest.approx(30) and audit["audit_ttft_mae_ms"] == pytest.approx(30)
+    assert audit["audit_queue_bias_ms"] == pytest.approx(40) and audit["audit_queue_mae_ms"] == pytest.approx(40)
+    assert audit["audit_prefill_bias_ms"] == pytest.approx(-10) and audit["audit_prefill_mae_ms"] == pytest.approx(10)
+    blind = summarize([record(0, "a", 0.0, 0.1, 0.2)])  # a router that predicts nothing
+    assert blind["audit_compared"] == 0 and math.isnan(blind["audit_ttft_bias_ms"])
