@@ -28,6 +28,14 @@ class Replica:
         self.in_flight_prefilling = 0
         self.arrivals = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
         """Requests the router dispatched here lately (every attempt, warm-ups and transfer legs included)."""
+        self.scrape_epoch = 0
+        """Counts the scrapes asked for: a load ticket remembers the epoch it was dispatched in."""
+        self.epoch_at_scrape = 0
+        """The epoch the newest scrape began: the engine's numbers in it cannot count requests dispatched in it or
+        later."""
+        self.prefilling_by_epoch: dict[int, int] = {}
+        """This router's requests still prefilling here, by the epoch they were dispatched in (the load tickets keep
+        it)."""
         self.engine_finishes = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
         """Requests the engine finished lately, whoever sent them (its scraped counter, differenced)."""
         self.scraped: ScrapedLoad | None = None
@@ -58,12 +66,18 @@ class Replica:
         trails arrivals while a queue builds, and by a scrape interval always."""
         return max(self.arrivals.per_s(now) + peers_per_s, self.engine_finishes.per_s(now))
 
-    def record_scrape(self, load: ScrapedLoad) -> bool:
-        """Keep the newest scrape; count the requests the engine finished since the previous one. A counter that went
-        down means the engine restarted: that interval counts nothing. True when the engine's process start time
-        moved since the last scrape that had one (the engine restarted)."""
+    def begin_scrape(self) -> int:
+        """A scrape is being asked for: the epoch it begins, for :meth:`record_scrape`."""
+        self.scrape_epoch += 1
+        return self.scrape_epoch
+
+    def record_scrape(self, load: ScrapedLoad, epoch: int) -> bool:
+        """Keep the newest scrape (begun in ``epoch``); count the requests the engine finished since the previous
+        one. A counter that went down means the engine restarted: that interval counts nothing. True when the
+        engine's process start time moved since the last scrape that had one (the engine restarted)."""
         previous = self.scraped
         self.scraped = load
+        self.epoch_at_scrape = epoch
         if previous is not None and previous.finished is not None and load.finished is not None:
             finished = load.finished - previous.finished
             if finished > 0:
@@ -73,6 +87,18 @@ class Replica:
         restarted = self.engine_started_at is not None and load.started_at != self.engine_started_at
         self.engine_started_at = load.started_at
         return restarted
+
+    def prefilling_bound(self, scraped: ScrapedLoad | None) -> int | None:
+        """The most of this router's requests that can still be prefilling here: what the engine held in ``scraped``
+        (waiting and running, every caller's) plus the router's own still prefilling that were dispatched once it
+        was asked for. The router's own count can be higher: it holds a request as prefilling until its first byte
+        is read, which for an answer read whole comes after its decode, and on a busy event loop after the engine
+        is long done. None without the engine's counts."""
+        if scraped is None or scraped.waiting is None or scraped.running is None:
+            return None
+        since = self.epoch_at_scrape
+        later = sum(count for epoch, count in self.prefilling_by_epoch.items() if epoch >= since)
+        return scraped.waiting + scraped.running + later
 
     def can_source(self) -> bool:
         """Can serve a transfer's prefill-only first leg: the engine passes health checks and real requests are not

@@ -124,8 +124,19 @@ class Fleet:
         for r in self.replicas.values():
             rate = r.arrivals.per_s(now)
             if r.in_flight_prefilling or rate >= REPORTED_RATE_MIN_PER_S:
-                work[r.name] = DispatchedWork(r.in_flight_prefill_tokens, r.in_flight_prefilling, rate)
+                prefilling, tokens = self._own_prefilling(r, self.fresh_scrape(r, now))
+                work[r.name] = DispatchedWork(tokens, prefilling, rate)
         return work
+
+    @staticmethod
+    def _own_prefilling(replica: Replica, scraped: ScrapedLoad | None) -> tuple[int, int]:
+        """This gateway's requests still prefilling on ``replica`` and their uncached tokens, at most
+        :meth:`Replica.prefilling_bound` of them (the tokens in proportion)."""
+        own, tokens = replica.in_flight_prefilling, replica.in_flight_prefill_tokens
+        bound = replica.prefilling_bound(scraped)
+        if bound is not None and own > bound:  # the engine is done with some the gateway still counts
+            return bound, tokens * bound // own
+        return own, tokens
 
     def arrival_rate_per_s(self, replica: Replica, now: float | None = None) -> float:
         """Requests per second arriving at ``replica`` from every gateway (:meth:`Replica.arrival_rate_per_s`)."""
@@ -137,7 +148,7 @@ class Fleet:
         now = self.clock()
         scraped = self.fresh_scrape(r, now)
         peers = NO_WORK if self.peer_work is None else self.peer_work.work(name)
-        prefilling = r.in_flight_prefilling + peers.prefilling
+        own, own_tokens = self._own_prefilling(r, scraped)
         return ReplicaView(
             name=r.name,
             healthy=r.routable(),
@@ -145,8 +156,8 @@ class Fleet:
             can_source=r.can_source(),
             draining=r.draining,
             in_flight=r.in_flight,
-            in_flight_prefill_tokens=r.in_flight_prefill_tokens + peers.prefill_tokens,
-            in_flight_prefilling=prefilling,
+            in_flight_prefill_tokens=own_tokens + peers.prefill_tokens,
+            in_flight_prefilling=own + peers.prefilling,
             arrival_rate_per_s=r.arrival_rate_per_s(now, peers.arrival_rate_per_s),
             scraped_waiting=None if scraped is None else scraped.waiting,
             scraped_running=None if scraped is None else scraped.running,
@@ -314,8 +325,9 @@ class Fleet:
 
     async def _scrape(self, replica: Replica) -> ScrapedLoad | None:
         timeout = min(SCRAPE_TIMEOUT_CAP_S, self.scrape.stale_after_ms / 2000.0)
+        epoch = replica.begin_scrape()
         load = await scrape_metrics(self.session, replica.url, timeout, self.clock)
-        if load is not None and replica.record_scrape(load) and self.replicas.get(replica.name) is replica:
+        if load is not None and replica.record_scrape(load, epoch) and self.replicas.get(replica.name) is replica:
             log.warning("replica %s restarted (process start time moved to %.3f)", replica.name, load.started_at)
             self._notify("on_restarted", replica.name, load.started_at)
         return load

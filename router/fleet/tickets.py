@@ -23,7 +23,7 @@ NO_WORK = DispatchedWork()
 class LoadTicket:
     """The load one dispatched request puts on its replica, released exactly once."""
 
-    __slots__ = ("replica", "caller", "_prefill_tokens", "_prefilling", "_finished")
+    __slots__ = ("replica", "caller", "_prefill_tokens", "_prefilling", "_finished", "_epoch")
 
     def __init__(self, replica: Replica, prefill_tokens: int, caller: str | None = None) -> None:
         self.replica = replica
@@ -35,6 +35,9 @@ class LoadTicket:
         replica.in_flight += 1
         replica.in_flight_prefill_tokens += prefill_tokens
         replica.in_flight_prefilling += 1
+        self._epoch = epoch = replica.scrape_epoch
+        by_epoch = replica.prefilling_by_epoch
+        by_epoch[epoch] = by_epoch.get(epoch, 0) + 1
         replica.breaker.on_dispatch(caller)
 
     def first_token(self) -> None:
@@ -42,9 +45,16 @@ class LoadTicket:
         if not self._prefilling:
             return
         self._prefilling = False
-        self.replica.in_flight_prefill_tokens -= self._prefill_tokens
-        self.replica.in_flight_prefilling -= 1
+        replica = self.replica
+        replica.in_flight_prefill_tokens -= self._prefill_tokens
+        replica.in_flight_prefilling -= 1
         self._prefill_tokens = 0
+        by_epoch = replica.prefilling_by_epoch
+        left = by_epoch[self._epoch] - 1
+        if left:
+            by_epoch[self._epoch] = left
+        else:
+            del by_epoch[self._epoch]
 
     def finish(self, ok: bool | None) -> None:
         """The request is over. ``ok``: True, the replica served it; False, a failure blamed on the replica (it

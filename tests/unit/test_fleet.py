@@ -132,10 +132,10 @@ async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter
     r.healthy = True
     for _ in range(100):  # this gateway sends 1 request/s; the engine finishes 4/s (three other callers)
         fleet.dispatch("a", 10).finish(ok=True)
-        r.record_scrape(ScrapedLoad(at=clock.now, finished=4.0 * clock.now))
+        r.record_scrape(ScrapedLoad(at=clock.now, finished=4.0 * clock.now), 0)
         clock.now += 1.0
     assert fleet.view("a", PrefixMatch()).arrival_rate_per_s == pytest.approx(4.0, rel=0.1)
-    r.record_scrape(ScrapedLoad(at=clock.now, finished=2.0))  # counter went down: the engine restarted
+    r.record_scrape(ScrapedLoad(at=clock.now, finished=2.0), 0)  # counter went down: the engine restarted
     assert r.arrival_rate_per_s(clock.now) == pytest.approx(4.0 * 0.5 ** (1 / 10), rel=0.1)  # nothing added
     quiet = fleet_of(config("b"), session, clock=clock)
     for _ in range(120):  # no scrape counter (an engine without it): the gateway's own rate
@@ -182,6 +182,39 @@ async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> Non
     v = fleet.view("a", PrefixMatch())
     assert (v.scraped_waiting, v.scraped_running, v.kv_usage) == (None, None, None)
     assert v.in_flight == 1
+
+
+async def test_own_prefilling_is_bounded_by_what_the_engine_holds_and_what_was_sent_since(
+    session: aiohttp.ClientSession,
+) -> None:
+    """Answers read whole count as prefilling until they are read (after their decode, and on a busy loop after the
+    engine is done): the engine's own count at the last scrape, plus what was sent since, bounds them."""
+    clock = FakeClock()
+    fleet = fleet_of(config("a"), session, clock=clock)
+    r = fleet.replicas["a"]
+    r.healthy = True
+    tickets = [fleet.dispatch("a", 100) for _ in range(10)]
+    epoch = r.begin_scrape()
+    r.record_scrape(ScrapedLoad(at=clock.now, waiting=0, running=3), epoch)  # the engine holds 3 of them
+    v = fleet.view("a", PrefixMatch())
+    assert (v.in_flight_prefilling, v.in_flight_prefill_tokens, v.in_flight) == (3, 300, 10)
+    tickets += [fleet.dispatch("a", 100) for _ in range(2)]  # sent after the scrape was asked for: they count
+    assert fleet.view("a", PrefixMatch()).in_flight_prefilling == 5
+    tickets[-1].first_token()  # ... until their first token
+    assert fleet.view("a", PrefixMatch()).in_flight_prefilling == 4
+    epoch = r.begin_scrape()
+    tickets.append(fleet.dispatch("a", 100))  # in flight while the scrape is asked for: not in its counts
+    r.record_scrape(ScrapedLoad(at=clock.now, waiting=8, running=2), epoch)
+    assert fleet.view("a", PrefixMatch()).in_flight_prefilling == 11
+    for ticket in tickets:
+        ticket.finish(ok=True)
+    assert r.prefilling_by_epoch == {} and fleet.view("a", PrefixMatch()).in_flight_prefilling == 0
+    tickets = [fleet.dispatch("a", 100) for _ in range(4)]
+    r.record_scrape(ScrapedLoad(at=clock.now, kv_usage=0.1), r.begin_scrape())  # no counts: the router's own
+    assert fleet.view("a", PrefixMatch()).in_flight_prefilling == 4
+    clock.now += 10.0  # a stale scrape bounds nothing either
+    r.record_scrape(ScrapedLoad(at=0.0, waiting=0, running=0), r.begin_scrape())
+    assert fleet.view("a", PrefixMatch()).in_flight_prefilling == 4
 
 
 async def test_drain_stops_routing_but_keeps_the_cache_as_a_transfer_source(session: aiohttp.ClientSession) -> None:
