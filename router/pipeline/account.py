@@ -136,7 +136,8 @@ class Accounting:
         if usage is not None and api is not None and routed.tokenized is not None and routed.routing is not None \
                 and routed.whole:
             self.parity.observe(parity_sample(routed, api, up.replica, usage))
-            if cached is not None and routed.prefills:
+            if cached is not None and routed.prefills and routed.decision.action == "route":
+                # a handoff's engine does not count the tokens it pulled as cached: no refutation there
                 self.predictions.refuted(routed, up.replica, cached)
         if stream:
             m.ttft.labels(hit).observe(ttft_ms / 1000.0)
