@@ -5,7 +5,7 @@
 # then the unique and loaded shared-prefix re-checks. The ~70% rates come from the closed-loop runs of stream
 # `calibrate` (70% of each workload's closed-loop throughput, converted to sessions/s for the session workloads).
 # Streams run side by side (each bench starts and stops its own processes); results land in OUT/<name>/report.md and
-# results.json; `benchmarks/placements.py OUT/<name>` counts each router's copies of held prefixes.
+# results.json; each report's copies audit counts each router's copies of held prefixes.
 #   benchmarks/capacity_matrix.sh [OUT] [STREAM]   STREAM = calibrate | a | b | c | all (default all: a, b, c)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -52,13 +52,13 @@ from kvgate.loadgen.sim.params import SimParams
 from kvgate.loadgen.workloads.request import Request, working_set_tokens
 
 POLICIES = ("cost", "prefix_affinity", "least_loaded", "round_robin")
-PEERS = ("sglang", "sglang-pd", "vllm-router")
+PEERS = ("sglang", "smg", "sglang-pd", "vllm-router")
 PD_RUNS = {"pd-cost": "cost", "pd-always": "always", "pd-threshold": "threshold"}
 """Runs of kvgate's cost policy on the ``--pd-roles`` fleet, by ``disaggregation.mode``."""
 PD_PEERS = ("sglang-pd", "vllm-router")
 """Peers that run on the ``--pd-roles`` fleet."""
-PEER_PACKAGES = {"sglang": ("sglang_router", "sglang-router"), "sglang-pd": ("sglang_router", "sglang-router"),
-                 "vllm-router": ("vllm_router", "vllm-router")}
+PEER_PACKAGES = {"sglang": ("sglang_router", "sglang-router"), "smg": ("smg", "smg"),
+                 "sglang-pd": ("sglang_router", "sglang-router"), "vllm-router": ("vllm_router", "vllm-router")}
 """Each peer's Python module and the package that installs it."""
 LLM_D_THRESHOLD_TOKENS = 16
 """llm-d's sample P/D configuration (``prefix-based-pd-decider``, ``nonCachedTokens: 16``): the ``pd-threshold``
@@ -308,15 +308,22 @@ def peer_metrics_args() -> list[str]:
     return ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port_block(1))]
 
 
+CACHE_AWARE_ROUTERS = {"sglang": "sglang_router", "smg": "smg"}
+"""The peers that run one ``cache_aware`` router over the whole fleet, by the module that launches them: the SGLang
+Model Gateway and its successor, the Shepherd Model Gateway (the same command line)."""
+
+
 @contextmanager
-def sglang_gateway(args: argparse.Namespace, out_dir: Path, fleet: BenchFleet, label: str) -> Iterator[ChildProcess]:
-    """The SGLang Model Gateway with its cache_aware policy (default parameters) in front of ``fleet``."""
+def cache_aware_gateway(
+    args: argparse.Namespace, out_dir: Path, fleet: BenchFleet, label: str, peer: str
+) -> Iterator[ChildProcess]:
+    """``peer`` (:data:`CACHE_AWARE_ROUTERS`) with its cache_aware policy (default parameters) in front of ``fleet``."""
     port = free_port_block(1)
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *fleet.replica_urls,
+    cmd = [sys.executable, "-m", f"{CACHE_AWARE_ROUTERS[peer]}.launch_router", "--worker-urls", *fleet.replica_urls,
            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), *peer_metrics_args(),
            *shlex.split(args.peer_args)]
     url = f"http://127.0.0.1:{port}"
-    with running(ChildProcess("sglang router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
+    with running(ChildProcess(f"{peer} router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
         gw.wait_http(url + "/health", args.ready_timeout)
         gw.url = url
         yield gw
@@ -473,7 +480,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sim time scale (default 1: real time); trace replay runs at 1/time-scale unless --speed is "
                         "given. Below 1 the sim, router and client need proportionally more CPU")
     b.add_argument("--peer", action="append", choices=PEERS, default=[],
-                   help="also run a peer router: sglang (the SGLang Model Gateway, on the plain fleet), sglang-pd "
+                   help="also run a peer router: sglang (the SGLang Model Gateway) and smg (its successor, the "
+                        "Shepherd Model Gateway), each cache_aware on the plain fleet; sglang-pd "
                         "(the same in its prefill/decode mode) and vllm-router (its P/D mode), on the --pd-roles fleet")
     b.add_argument("--pd-roles", default="prefill:2,decode:6", metavar="ROLE:N,...",
                    help="the prefill/decode fleet of the pd-* runs and P/D peers, as kvgate sim --roles; its counts "
@@ -626,7 +634,7 @@ def _run_repeat(
         label = name if args.repeat == 1 else f"{name}-r{k + 1}"
         console.print(f"{tag}[bold]{name}[/]: starting a fresh fleet")
         records[name], fleets[name], targets[name], cost = _run_one(args, out_dir, name, label, requests)
-        summaries[name] = {**summarize(records[name], fleets[name]), **cost.fields()}
+        summaries[name] = {**summarize(records[name], fleets[name], requests=requests), **cost.fields()}
         done = summaries[name]
         console.print(f"{tag}[bold]{name}[/]: {done['ok']}/{done['requests']} ok, TTFT mean {done['ttft_mean_ms']:.0f} ms")
     repeat = Repeat(order=order, targets={n: targets[n] for n in runs}, records={n: records[n] for n in runs},
@@ -642,8 +650,8 @@ def _run_one(
     spec = run_spec(args, name)
     with sim_fleet(args, out_dir, label, spec.settings, spec.roles, bootstrap=name == "sglang-pd") as fleet:
         with ExitStack() as stack:
-            if name == "sglang":
-                gateways = [stack.enter_context(sglang_gateway(args, out_dir, fleet, label))]
+            if name in CACHE_AWARE_ROUTERS:
+                gateways = [stack.enter_context(cache_aware_gateway(args, out_dir, fleet, label, name))]
             elif name == "sglang-pd":
                 gateways = [stack.enter_context(sglang_pd_gateway(args, out_dir, fleet, label))]
             elif name == "vllm-router":

@@ -39,8 +39,10 @@ from typing import Any, Literal
 from rich.console import Console
 from rich.table import Table
 
+from kvgate.loadgen.copies import copies_audit, copies_lines
 from kvgate.loadgen.runner import RequestRecord
 from kvgate.loadgen.workloads.oracle import IdealPrefill
+from kvgate.loadgen.workloads.request import Request
 
 CANDIDATE = "cost"
 TIE_TOLERANCE = 0.01
@@ -141,12 +143,13 @@ def load_imbalance(series: dict[str, list[int]]) -> float:
 
 
 def summarize(
-    records: Sequence[RequestRecord], replicas: Sequence[str] | None = None, ideal: IdealPrefill = IdealPrefill()
+    records: Sequence[RequestRecord], replicas: Sequence[str] | None = None, ideal: IdealPrefill = IdealPrefill(),
+    requests: Sequence[Request] = (),
 ) -> dict[str, Any]:
     """The headline numbers of one run. ``replicas`` names the whole fleet (so idle replicas count in the
     imbalance); by default, the replicas seen in responses. The oracle TTFT is ``ideal``'s over every request of
     the workload (sent or not, so it is the same for every router), and each TTFT's ratio to it is mean over
-    mean."""
+    mean. With the workload's ``requests``, the copies audit (:mod:`kvgate.loadgen.copies`) too."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s * 1000 for r in ok]
@@ -192,6 +195,7 @@ def summarize(
         mean = out[f"{name}_mean_ms"]
         out[f"{name}_vs_oracle"] = mean / floor if floor and not _missing(mean) and not _missing(floor) else math.nan
     out.update(prediction_audit(ok))
+    out.update(copies_audit(records, requests, ideal))
     return out
 
 
@@ -454,6 +458,7 @@ def markdown_report(title: str, meta: dict[str, Any], summaries: dict[str, dict[
                   f"{candidate} against each baseline in the same repeat (a tie is not a win):", ""]
         lines += [f"- {w.sentence()}" for w in wins]
     lines += audit_lines(summaries, medians=ranges is not None)
+    lines += copies_lines(summaries, medians=ranges is not None)
     lines += gateway_counter_lines(summaries, medians=ranges is not None)
     return "\n".join(lines) + "\n"
 
@@ -505,7 +510,7 @@ def print_table(title: str, summaries: dict[str, dict[str, Any]], ratios: dict[s
         for w in wins:
             colour = "green" if w.compared and w.wins == w.compared else "red"
             console.print(f"  [{colour}]{w.sentence()}[/]")
-    for line in audit_lines(summaries, medians=ranges is not None):
+    for line in audit_lines(summaries, medians=ranges is not None) + copies_lines(summaries, ranges is not None):
         console.print(line, markup=False)
 
 

@@ -22,12 +22,15 @@ class PrefixOracle:
         self.block_size = block_size
         self._nodes: dict[tuple[int, tuple[int, ...]], int] = {}
 
-    def observe(self, ids: Sequence[int]) -> int:
-        """Record one prompt; return how many of its leading tokens an infinite shared cache would already hold."""
+    def observe(self, ids: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+        """Record one prompt; return how many of its leading tokens an infinite shared cache would already hold, and
+        its chain: one node id per full block, naming the block and everything before it (so two prompts share a
+        node exactly when they share the prefix up to and including that block)."""
         bs = self.block_size
         parent = -1
         hit = 0
         matching = True
+        chain: list[int] = []
         for start in range(0, len(ids) - bs + 1, bs):
             key = (parent, tuple(ids[start : start + bs]))
             node = self._nodes.get(key)
@@ -36,8 +39,9 @@ class PrefixOracle:
                 node = self._nodes[key] = len(self._nodes)
             elif matching:
                 hit += bs
+            chain.append(node)
             parent = node
-        return hit
+        return hit, tuple(chain)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,10 @@ class Request:
     after: int | None = None
     """Index of the request this one follows (the previous turn of a chat session); it is sent only once that one
     has finished, ``arrival_s`` later."""
+    chain: tuple[int, ...] = ()
+    """The prompt's prefix chain, one node per full block of ``oracle.ORACLE_BLOCK_SIZE`` tokens
+    (``oracle.PrefixOracle.observe``): equal nodes, equal prefixes. The report's copies audit follows prefixes
+    across replicas with it."""
 
 
 @dataclass(frozen=True)

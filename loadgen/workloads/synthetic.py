@@ -61,9 +61,9 @@ class _Builder:
         output_tokens: int | None = None,
     ) -> int:
         index = len(self.requests)
-        hits = self.oracle.observe(ids)
+        hits, chain = self.oracle.observe(ids)
         output = self.options.output_tokens if output_tokens is None else output_tokens
-        self.requests.append(Request(index, arrival_s, endpoint, body, output, len(ids), hits, session_id, after))
+        self.requests.append(Request(index, arrival_s, endpoint, body, output, len(ids), hits, session_id, after, chain))
         return index
 
     def limit(self, n: int) -> int:

@@ -103,7 +103,9 @@ def trace_workload(options: WorkloadOptions) -> list[Request]:
             ids.extend(block)
         del ids[row.input_length :]
         output = row.output_length if options.max_output_tokens is None else min(row.output_length, options.max_output_tokens)
+        hits, chain = oracle.observe(ids)
         requests.append(
-            Request(index, arrival_s, "completions", {"prompt": vocab.render(ids)}, max(output, 1), len(ids), oracle.observe(ids))
+            Request(index, arrival_s, "completions", {"prompt": vocab.render(ids)}, max(output, 1), len(ids), hits,
+                    chain=chain)
         )
     return requests

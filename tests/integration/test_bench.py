@@ -28,7 +28,7 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "kvgate.router.cli", "bench", "--workload", "shared-prefix", "--policies", "cost,round_robin",
         "--replicas", "2", "--kv-blocks", "512", "--time-scale", "0.01", "--groups", "2", "--prompts-per-group", "10",
-        "--system-tokens", "256", "--question-tokens", "32", "--output-tokens", "8", "--rate", "40", "--seed", "1",
+        "--system-tokens", "640", "--question-tokens", "32", "--output-tokens", "8", "--rate", "40", "--seed", "1",
         "--ready-timeout", "30", "--out", str(out),
     ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
@@ -54,8 +54,14 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
     assert cost["audit_compared"] == 20 and doc["summaries"]["round_robin"]["audit_compared"] == 0
     assert all(r["predicted_ttft_ms"] > 0 and r["engine_queue_ms"] is not None for r in doc["requests"]["cost"])
     assert cost["audit_prefill_mae_ms"] >= 0 and cost["audit_ttft_mae_ms"] >= 0
+    # The copies audit: round robin sends each group's next question to the other replica, recomputing its
+    # 640-token system prompt there, and later questions of the group reuse that copy.
+    spread = doc["summaries"]["round_robin"]
+    assert spread["copies"] >= 1 and spread["copy_tokens"] >= 512 and spread["copy_saved_tokens"] > 0
+    assert cost["copies"] <= spread["copies"]
     report = (out / "report.md").read_text()
     assert "cost / best baseline" in report and "Predicted TTFT against the engine's clock" in report
+    assert "Copies of held prefixes" in report
     assert {p.name for p in out.glob("*.png")} == {"ttft_cdf.png", "inflight_per_replica.png", "hit_ratio.png"}
 
     # Every gateway and fleet it started is stopped: none of their ports still answers.
@@ -66,20 +72,21 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
         assert not any(_listening(r.url) for r in load_config(path).replicas)
 
 
-def test_tiny_bench_with_the_sglang_peer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("peer", ["sglang", "smg"])
+def test_tiny_bench_with_a_cache_aware_peer(tmp_path: Path, peer: str) -> None:
     """The peer runs on its own identical fleet; the replica that served each request comes from the sim itself."""
     out = tmp_path / "bench"
     cmd = [
         sys.executable, "-m", "kvgate.router.cli", "bench", "--workload", "unique", "--policies", "round_robin",
-        "--peer", "sglang", "--replicas", "2", "--time-scale", "0.01", "--requests", "10", "--prompt-tokens", "64",
+        "--peer", peer, "--replicas", "2", "--time-scale", "0.01", "--requests", "10", "--prompt-tokens", "64",
         "--output-tokens", "4", "--rate", "40", "--ready-timeout", "30", "--out", str(out),
     ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
-    peer = doc["summaries"]["sglang"]
-    assert peer["ok"] == 10 and sum(peer["requests_per_replica"].values()) == 10
-    assert all(r["replica"] and r["engine_ttft_ms"] is not None for r in doc["requests"]["sglang"])
+    summary = doc["summaries"][peer]
+    assert summary["ok"] == 10 and sum(summary["requests_per_replica"].values()) == 10
+    assert all(r["replica"] and r["engine_ttft_ms"] is not None for r in doc["requests"][peer])
     assert not any(_listening(url) for url in doc["meta"]["targets"].values())
 
 

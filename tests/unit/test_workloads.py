@@ -179,10 +179,13 @@ def test_rate_zero_sends_all_at_once() -> None:
 
 def test_oracle_counts_full_block_prefixes_only() -> None:
     oracle = PrefixOracle(block_size=4)
-    assert oracle.observe([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0
-    assert oracle.observe([1, 2, 3, 4, 5, 6, 7, 8, 0, 0]) == 8
-    assert oracle.observe([1, 2, 3, 4, 9, 9, 9, 9, 5, 6, 7, 8]) == 4  # block 3 equals an earlier block 2 but not its prefix
-    assert oracle.observe([9, 2, 3, 4]) == 0
+    first, second, third, fourth = (oracle.observe(ids) for ids in (
+        [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 0, 0], [1, 2, 3, 4, 9, 9, 9, 9, 5, 6, 7, 8], [9, 2, 3, 4]))
+    assert [hit for hit, _ in (first, second, third, fourth)] == [0, 8, 4, 0]
+    # block 3 of the third equals the first's block 2, but not its prefix: a node of its own
+    assert first[1] == second[1] == (0, 1)
+    assert third[1][0] == 0 and len(set(third[1]) | set(first[1])) == 4
+    assert fourth[1] not in (first[1][:1], third[1][:1])
 
 
 def test_trace_prompts_follow_hash_ids_exactly(trace_file: Path, tokenizer: ModelTokenizer) -> None:
