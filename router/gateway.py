@@ -9,10 +9,12 @@ The endpoint flows (:mod:`kvgate.router.endpoints`) are composed from these comp
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import random
 import secrets
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.ingest import EventIngestor
@@ -47,6 +49,7 @@ from kvgate.router.pipeline.forward import Forwarder
 from kvgate.router.pipeline.queue import QueueStage
 from kvgate.router.pipeline.route import RouteStage
 from kvgate.router.pipeline.tokenize import TokenizeStage
+from kvgate.router.pipeline.tracing import TracingConfig, tracing_on
 from kvgate.router.prompts.tokenizer import PromptTokenizer
 from kvgate.router.routing.catalog import ModelCatalog
 from kvgate.router.routing.handoff.base import Handoffs
@@ -65,6 +68,11 @@ from kvgate.router.settings.schema import KvgateConfig
 from kvgate.router.upstream.proxy import Proxy, create_session
 from kvgate.router.upstream.tokenize import EngineTokenizer
 
+if TYPE_CHECKING:
+    from kvgate.router.pipeline.spans import RequestTracer
+
+log = logging.getLogger(__name__)
+
 
 def response_id_secret(config: KvgateConfig) -> bytes | None:
     """What response ids are signed with: the tenants' salt secret, else the peer token (both the same on every
@@ -73,6 +81,28 @@ def response_id_secret(config: KvgateConfig) -> bytes | None:
         return salt_secret(config.tenants)
     token = peer_token(config.server)
     return token.encode() if token else None
+
+
+def start_tracing(
+    config: TracingConfig, replica_at: Callable[[str], str | None], environ: Mapping[str, str] = os.environ
+) -> RequestTracer | None:
+    """The gateway's tracer, exporting in the background; None when tracing is off
+    (:func:`~kvgate.router.pipeline.tracing.tracing_on`). ``replica_at`` names the replica an engine URL belongs to.
+
+    Tracing wanted without the OpenTelemetry SDK installed (the ``otel`` extra) is one warning and a gateway that
+    runs untraced, passing clients' trace context on unchanged: traces are a diagnostic, and a gateway that would not
+    start for want of one would cost more than the traces are worth."""
+    if not tracing_on(config, environ):
+        return None
+    try:
+        from kvgate.router.pipeline.spans import RequestTracer
+
+        return RequestTracer.start(config, replica_at, environ)
+    except ImportError as e:
+        log.warning("tracing is configured but the OpenTelemetry SDK is not installed (no module %r): kvgate runs "
+                    "without tracing and passes clients' trace context on unchanged; install it with "
+                    "pip install 'kvgate[otel]'", e.name)
+        return None
 
 
 def routing_settings(config: KvgateConfig) -> RoutingSettings:
@@ -96,6 +126,10 @@ class Gateway:
         session binds to it), by :meth:`start`."""
         config = self.holder.current
         rng = random.Random()
+        self.tracing = config.tracing
+        """The tracing section read at startup (a reload does not change it)."""
+        self.tracer = start_tracing(config.tracing, self._replica_at)
+        """None when the gateway does not trace (the stages then find no trace on a request)."""
         self.session = create_session(config.proxy)
         self.proxy = Proxy(self.session, config.proxy)
         self.fleet = Fleet(config.replicas, self.session, health=config.health, scrape=config.scrape,
@@ -165,6 +199,8 @@ class Gateway:
         self.admission.close()
         self.tokenizer.close()
         await self.session.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
 
     def reconfigure(self, config: KvgateConfig) -> None:
         """A reloaded policy file, each component handed its sections; requests in flight keep what they started
@@ -187,12 +223,22 @@ class Gateway:
         self.parity.reconfigure(config.parity)
         self.stored_responses.reconfigure(config.responses)
         self.admission.reconfigure(config.admission)
+        if config.tracing != self.tracing:
+            log.warning("the tracing section changed: it is read at startup, so the change takes effect when kvgate "
+                        "restarts")
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background until it ends or the gateway stops."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _replica_at(self, url: str) -> str | None:
+        """The replica an engine request's URL goes to (its URL followed by the path), for the attempts' spans."""
+        for replica in self.fleet.replicas.values():
+            if url.startswith(replica.url) and url[len(replica.url):len(replica.url) + 1] in ("/", "?", ""):
+                return replica.name
+        return None
 
     def _scraped_block_size(self, name: str) -> int | None:
         replica = self.fleet.replicas.get(name)

@@ -124,10 +124,14 @@ class Gateway:
         self.process.stop()
 
 
-def start_kvgate(tmp_path: Path, config_path: Path, *extra: str, timeout: float = 30.0) -> Gateway:
+def start_kvgate(
+    tmp_path: Path, config_path: Path, *extra: str, timeout: float = 30.0, env: dict[str, str] | None = None
+) -> Gateway:
+    """``kvgate serve`` on a free port, ready; ``env`` is added to this process's environment."""
     port = free_port_block(1)
     args = [*KVGATE, "serve", "--config", str(config_path), "--port", str(port), *extra]
-    proc = ChildProcess(f"kvgate serve :{port}", args, tmp_path / f"kvgate-{port}.log", cwd=REPO).start()
+    proc = ChildProcess(f"kvgate serve :{port}", args, tmp_path / f"kvgate-{port}.log", env=env or {},
+                        cwd=REPO).start()
     gw = Gateway(proc, port, config_path, list(extra))
     try:
         proc.wait_http(gw.url + "/health", timeout, interval_s=POLL_S)

@@ -94,9 +94,11 @@ class SimReplica:
 
 def request_headers(request: web.BaseRequest) -> dict[str, str | None]:
     """The request headers /sim/requests reports: the ids a router or client attaches (Claude Code names its
-    session in ``x-claude-code-session-id``, which vLLM does not read)."""
+    session in ``x-claude-code-session-id``, which vLLM does not read), and the W3C trace context an engine started
+    with ``--otlp-traces-endpoint`` would continue its trace from."""
     return {"x-request-id": request.headers.get("X-Request-Id"), "x-session-id": request.headers.get("X-Session-ID"),
-            "x-claude-code-session-id": request.headers.get("x-claude-code-session-id")}
+            "x-claude-code-session-id": request.headers.get("x-claude-code-session-id"),
+            "traceparent": request.headers.get("traceparent"), "tracestate": request.headers.get("tracestate")}
 
 
 def client_host(host: str) -> str:

@@ -88,7 +88,7 @@ class Flows:
         g = gateway
         holder = g.holder
         callers = Callers(g.tenants, holder)
-        proxied = ProxiedRequests(holder, g.tenants, callers, g.catalog, g.forwarder, g.accounting)
+        proxied = ProxiedRequests(holder, g.tenants, callers, g.catalog, g.forwarder, g.accounting, g.tracer)
         self.generate = Generate(proxied, g.tokenize_stage, g.queue_stage, g.route_stage)
         self.count_tokens = CountTokens(proxied, g.tokenize_stage, g.route_stage)
         self.responses = Responses(holder, proxied, g.tokenize_stage, g.queue_stage, g.route_stage, g.fleet,

@@ -27,7 +27,7 @@ class CountTokens:
         admission = Admission.of(request.scope)
         try:
             admitted = await self.proxied.admit(request, api, admission)
-            prompt = await self.tokenize.tokenize(admitted.parsed)
+            prompt = await self.tokenize.tokenize(admitted.parsed, trace=admission.trace)
             routed = self.route.route_counted(prompt, admission)
         except ApiError as e:
             return self.proxied.refuse(e, admission, api)

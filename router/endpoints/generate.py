@@ -29,7 +29,7 @@ class Generate:
         ticket: Ticket | None = None
         try:
             admitted = await self.proxied.admit(request, api, admission)
-            prompt = await self.tokenize.tokenize(admitted.parsed)
+            prompt = await self.tokenize.tokenize(admitted.parsed, trace=admission.trace)
             ticket = await self.queue.wait(request, prompt, admitted.parsed, admission)
             if ticket is None:
                 return self.proxied.left_waiting(admission, api)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Scope
 
 from kvgate.router.admission.gate import Ticket
 from kvgate.router.apis.base import Api
@@ -27,6 +29,10 @@ from kvgate.router.routing.records import Routed
 from kvgate.router.settings.holder import ConfigHolder
 from kvgate.router.upstream.proxy import AttemptFailed
 
+if TYPE_CHECKING:
+    from kvgate.router.pipeline.spans import RequestTracer
+
+
 @dataclass(slots=True)
 class Admitted:
     admission: Admission
@@ -38,7 +44,7 @@ class Admitted:
 class ProxiedRequests:
     def __init__(
         self, holder: ConfigHolder, tenants: TenantResolver, callers: Callers, catalog: ModelCatalog,
-        forwarder: Forwarder, accounting: Accounting,
+        forwarder: Forwarder, accounting: Accounting, tracer: RequestTracer | None = None,
     ) -> None:
         self.holder = holder
         self.tenants = tenants
@@ -46,6 +52,8 @@ class ProxiedRequests:
         self.catalog = catalog
         self.forwarder = forwarder
         self.accounting = accounting
+        self.tracer = tracer
+        """None when the gateway does not trace (:func:`kvgate.router.gateway.start_tracing`)."""
 
     async def admit(self, request: Request, api: Api, admission: Admission) -> Admitted:
         """Admit and parse: the tenant from the API key, client ids within bounds, the body within the limits and
@@ -57,6 +65,8 @@ class ProxiedRequests:
         parsed = salt_for_tenant(parsed, self.tenants, admission.tenant)
         if admission.client.session_id is None:
             admission.client.session_id = parsed.session_id
+        if admission.trace is not None:
+            admission.trace.admitted(parsed, admission.tenant)
         return Admitted(admission, parsed, headers)
 
     async def admit_forwarded(self, request: Request, admission: Admission, *, model_optional: bool) -> Admitted:
@@ -69,6 +79,8 @@ class ProxiedRequests:
                                  model_optional=model_optional)
         if content_type is not None:
             headers["content-type"] = content_type
+        if admission.trace is not None:
+            admission.trace.admitted(parsed, admission.tenant)
         return Admitted(admission, parsed, headers)
 
     async def admit_bodiless(self, request: Request, admission: Admission) -> Admitted:
@@ -80,10 +92,16 @@ class ProxiedRequests:
 
     async def _read(self, request: Request, admission: Admission, *, json: bool) -> tuple[bytes, dict[str, str]]:
         config = self.holder.current
+        if self.tracer is not None:
+            scope = request.scope
+            admission.trace = self.tracer.begin(scope["method"], route_of(scope), scope["path"],
+                                                admission.client.traceparent, admission.client.tracestate,
+                                                admission.request_id)
         admission.tenant = resolve_tenant(self.tenants, admission.client.authorization)
         check_client_ids(admission.client, config.limits)
         raw = await read_within_limits(request, config.server, config.limits, json=json)
-        return raw, upstream_headers(admission.client, admission.request_id, self.tenants.enabled)
+        return raw, upstream_headers(admission.client, admission.request_id, self.tenants.enabled,
+                                     traced=admission.trace is not None)
 
     def refuse(self, err: ApiError, admission: Admission, api: Api | None) -> Response:
         """A refusal (auth, limits, a bad body or prompt, no replica), counted, logged and answered in ``api``'s
@@ -105,7 +123,8 @@ class ProxiedRequests:
         admission, parsed = admitted.admission, admitted.parsed
         api = parsed.api
         try:
-            up = await self.forwarder.send(request, path, parsed, routed, admitted.upstream_headers, method)
+            up = await self.forwarder.send(request, path, parsed, routed, admitted.upstream_headers, method,
+                                           admission.trace)
         except BaseException as err:
             if ticket is not None:
                 ticket.release()
@@ -118,3 +137,9 @@ class ProxiedRequests:
             return self.accounting.client_left(routed, admission, api)
         finished = functools.partial(self.accounting.answered, routed, admission, api, then=answered, ticket=ticket)
         return relay(up, api, admission.request_id, routed.decision.reason, parsed.stream, finished)
+
+
+def route_of(scope: Scope) -> str:
+    """The request's route as its server span names it: the path template of a route with parameters
+    (``/v1/responses/{response_id}``), so span names stay few; the path itself for the fixed ones."""
+    return getattr(scope.get("route"), "path", None) or scope["path"]

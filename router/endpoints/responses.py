@@ -88,7 +88,8 @@ class Responses:
                 return built[-1]
 
             partial = previous is not None and history is None
-            prompt = await self.tokenize.tokenize(parsed, prompt_of=prompt_of, pinned=pinned, partial=partial)
+            prompt = await self.tokenize.tokenize(parsed, prompt_of=prompt_of, pinned=pinned, partial=partial,
+                                                  trace=admission.trace)
             ticket = await self.queue.wait(request, prompt, parsed, admission)
             if ticket is None:
                 return self.proxied.left_waiting(admission, api)

@@ -1,7 +1,7 @@
 """The account stage: what each request did, in the metrics, in its one JSON log line (every proxied request has
 exactly one), as a sample for the parity monitor (the engine's counts against kvgate's), as the test of the blocks
 predicted where it went (the engine's reuse refutes those it did not reuse), and (for a streamed first token) as a
-sample for the cost model's calibration."""
+sample for the cost model's calibration. A traced request's spans end here too, once, as its log line is written."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ class Accounting:
 
     def rejected(self, err: ApiError, admission: Admission, api: Api | None) -> None:
         """Refused before routing (auth, limits, a bad body or prompt, no replica)."""
+        if admission.trace is not None:
+            admission.trace.finish(err.status, error_type=err.code or err.error_type,
+                                   end="client_disconnect" if err.status == int(CLIENT_CLOSED) else "ok")
         self.metrics.rejections.labels(err.code or str(err.status)).inc()
         self.request_log.request(
             id=admission.request_id, tenant=admission.tenant, api=api.name if api is not None else None, replica=None,
@@ -64,6 +67,8 @@ class Accounting:
             err = failed.to_api_error()
             status = err.status
             response = err.response(headers, shape)
+        if admission.trace is not None:
+            admission.trace.finish(status, error_type=failed.cause)
         self.metrics.requests.labels("", str(status), routed.decision.reason).inc()
         self.request_log.request(
             id=admission.request_id, tenant=routed.request.tenant, api=api.name if api is not None else None,
@@ -74,6 +79,8 @@ class Accounting:
         return response
 
     def client_left(self, routed: Routed, admission: Admission, api: Api | None) -> Response:
+        if admission.trace is not None:
+            admission.trace.finish(int(CLIENT_CLOSED), end="client_disconnect")
         self.metrics.client_disconnects.inc()
         self.metrics.requests.labels("", CLIENT_CLOSED, routed.decision.reason).inc()
         self.request_log.request(
@@ -108,6 +115,8 @@ class Accounting:
         usage: Usage | None, end: str, *, stream: bool,
     ) -> None:
         request = routed.request
+        if admission.trace is not None:
+            admission.trace.finish(up.status, end=end, usage=usage, replica=up.replica, answer=up.body, streamed=stream)
         started = admission.started
         matched = routed.matched_tokens(up.replica)
         view = routed.views.get(up.replica)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.types import Scope
@@ -13,7 +14,11 @@ from starlette.types import Scope
 from kvgate.router.core.config import LimitsConfig, ServerConfig
 from kvgate.router.core.errors import ApiError
 from kvgate.router.core.tenants import AuthError, TenantResolver
+from kvgate.router.core.trace_context import TRACEPARENT, TRACESTATE, TraceParent, client_trace_context
 from kvgate.router.pipeline.bodies import JsonBounds, read_body
+
+if TYPE_CHECKING:
+    from kvgate.router.pipeline.spans import RequestTrace
 
 
 def new_request_id() -> str:
@@ -26,7 +31,10 @@ SESSION_HEADERS = (b"x-session-id", b"x-claude-code-session-id", b"session_id", 
 """Headers that name the client's session, most specific first: kvgate's and vLLM's own, then what agentic clients
 send (Claude Code's, Codex's and other routers' conventions)."""
 PRIORITY_HEADER = b"x-vllm-priority"
-_CLIENT_HEADERS = frozenset((b"x-request-id", b"authorization", b"x-api-key", PRIORITY_HEADER, *SESSION_HEADERS))
+_TRACEPARENT, _TRACESTATE = TRACEPARENT.encode(), TRACESTATE.encode()
+_TRACE_HEADERS = frozenset((_TRACEPARENT, _TRACESTATE))
+_CLIENT_HEADERS = frozenset((b"x-request-id", b"authorization", b"x-api-key", PRIORITY_HEADER, *SESSION_HEADERS,
+                             *_TRACE_HEADERS))
 
 
 @dataclass(slots=True)
@@ -35,7 +43,9 @@ class ClientHeaders:
     Starlette's ``Headers.get``, which scans the whole list and raises and catches a KeyError for each one absent).
 
     Anthropic's SDKs send their key as ``x-api-key``: without an ``Authorization`` header it stands for
-    ``Authorization: Bearer <key>``, so tenants and engines see one form."""
+    ``Authorization: Bearer <key>``, so tenants and engines see one form. The W3C trace headers are the exception to
+    "first value": a repeated one is joined with a comma, as a list header is, which makes a repeated
+    ``traceparent`` invalid and a repeated ``tracestate`` one list (:mod:`kvgate.router.core.trace_context`)."""
 
     request_id: str | None = None
     session_id: str | None = None
@@ -44,19 +54,29 @@ class ClientHeaders:
     """The header the session id came in."""
     priority: str | None = None
     """``X-Vllm-Priority``, as sent (:func:`kvgate.router.pipeline.bodies.priority_of` reads it)."""
+    traceparent: TraceParent | None = None
+    """The client's W3C ``traceparent``, when it is exactly valid."""
+    tracestate: str | None = None
+    """The client's ``tracestate``, when it and the ``traceparent`` are valid."""
 
     @classmethod
     def of(cls, scope: Scope) -> ClientHeaders:
         found: dict[bytes, str] = {}
         for name, value in scope["headers"]:
-            if name in _CLIENT_HEADERS and name not in found:
-                found[name] = value.decode("latin-1")
+            if name in _CLIENT_HEADERS:
+                if name not in found:
+                    found[name] = value.decode("latin-1")
+                elif name in _TRACE_HEADERS:
+                    found[name] += "," + value.decode("latin-1")
         header = next((h for h in SESSION_HEADERS if h in found), SESSION_HEADERS[0])
         authorization = found.get(b"authorization")
         if authorization is None and b"x-api-key" in found:
             authorization = f"Bearer {found[b'x-api-key']}"
-        return cls(found.get(b"x-request-id"), found.get(header), authorization, header.decode(),
-                   found.get(PRIORITY_HEADER))
+        client = cls(found.get(b"x-request-id"), found.get(header), authorization, header.decode(),
+                     found.get(PRIORITY_HEADER))
+        if _TRACEPARENT in found:
+            client.traceparent, client.tracestate = client_trace_context(found[_TRACEPARENT], found.get(_TRACESTATE))
+        return client
 
 
 @dataclass(slots=True)
@@ -67,6 +87,9 @@ class Admission:
     request_id: str
     started: float = field(default_factory=time.monotonic)
     tenant: str | None = None
+    trace: RequestTrace | None = None
+    """The request's spans, when the gateway traces (:mod:`kvgate.router.pipeline.spans`); each stage tells it when
+    it begins."""
 
     @classmethod
     def of(cls, scope: Scope) -> Admission:
@@ -100,9 +123,13 @@ async def read_within_limits(
     return await read_body(request, server.max_body_bytes, server.body_timeout_s, bounds)
 
 
-def upstream_headers(client: ClientHeaders, request_id: str, tenants_enabled: bool) -> dict[str, str]:
-    """The headers sent to the engine: the request id, the session, and the client's key when it is the engine's
-    own (with tenants on, the key is kvgate's and stays here)."""
+def upstream_headers(
+    client: ClientHeaders, request_id: str, tenants_enabled: bool, traced: bool = False
+) -> dict[str, str]:
+    """The headers sent to the engine: the request id, the session, the client's key when it is the engine's own
+    (with tenants on, the key is kvgate's and stays here), and the client's valid trace context as it came when
+    kvgate does not trace (``traced``: each attempt sends its own span's instead,
+    :meth:`kvgate.router.upstream.proxy.Proxy.attempt`), so the engine continues the client's trace either way."""
     out = {"content-type": "application/json", "x-request-id": request_id}
     session_id = client.session_id
     if session_id:
@@ -110,4 +137,9 @@ def upstream_headers(client: ClientHeaders, request_id: str, tenants_enabled: bo
     authorization = client.authorization
     if authorization and not tenants_enabled:
         out["authorization"] = authorization
+    traceparent = client.traceparent
+    if traceparent is not None and not traced:
+        out[TRACEPARENT] = traceparent.header
+        if client.tracestate is not None:
+            out[TRACESTATE] = client.tracestate
     return out

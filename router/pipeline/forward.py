@@ -9,6 +9,7 @@ toward its prefix's heat (:mod:`kvgate.router.routing.replication`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
@@ -22,6 +23,9 @@ from kvgate.router.routing.records import Routed
 from kvgate.router.routing.replication import Replication
 from kvgate.router.upstream.config import ProxyConfig
 from kvgate.router.upstream.proxy import Forward
+
+if TYPE_CHECKING:
+    from kvgate.router.pipeline.spans import RequestTrace
 
 
 class Forwarder:
@@ -39,10 +43,13 @@ class Forwarder:
 
     async def send(
         self, request: Request, path: str, parsed: Parsed, routed: Routed, headers: dict[str, str],
-        method: str = "POST",
+        method: str = "POST", trace: RequestTrace | None = None,
     ) -> Upstream | None:
         """The upstream answer (its first byte in), or None when the client left first. Raises
-        :class:`~kvgate.router.upstream.proxy.AttemptFailed` when every attempt failed."""
+        :class:`~kvgate.router.upstream.proxy.AttemptFailed` when every attempt failed. A traced request's every
+        engine request, a handoff's legs included, is an attempt in its ``trace``."""
+        if trace is not None:
+            trace.forwarding(routed)
         decision = routed.decision
         tenant = routed.request.tenant
         api = parsed.api
@@ -54,7 +61,7 @@ class Forwarder:
             if predicts:
                 self.dispatched(routed, replicas[0])
             fwd = Forward(path, raw, headers, parsed.stream, replicas, max_attempts, routed.deadlines_s, holds_output,
-                          method)
+                          method, trace)
             load = Load({name: routed.prefill_tokens(name) for name in replicas[:max_attempts]}, tenant)
             up = await self.attempts.forward(fwd, load)
             if predicts and up.replica != replicas[0]:
@@ -69,7 +76,7 @@ class Forwarder:
         # priced as a hit there and recompute the prompt.
         assert decision.source is not None
         self.predictions.predict(routed, decision.source)
-        handoff_request = HandoffRequest(api, parsed.body, parsed.raw, headers, routed)
+        handoff_request = HandoffRequest(api, parsed.body, parsed.raw, headers, routed, trace)
         return await while_connected(request, handoff.run(handoff_request, send))
 
     def _engine(self, name: str) -> str:

@@ -42,7 +42,12 @@ class QueueStage:
             with_priority(parsed, band)
         entered = self.gate.enter(prompt.base_model, prompt.candidates, prompt.routing, admission.tenant, band,
                                   len(prompt.tokenized.token_ids), len(parsed.raw))
-        ticket = entered if isinstance(entered, Ticket) else await while_connected(request, entered.wait())
+        if isinstance(entered, Ticket):
+            ticket: Ticket | None = entered
+        else:
+            if admission.trace is not None:
+                admission.trace.stage("queue", {"kvgate.queue.band": band})
+            ticket = await while_connected(request, entered.wait())
         if ticket is not None and ticket.avoid:
             prompt.candidates = [name for name in prompt.candidates if name not in ticket.avoid]
         return ticket

@@ -52,7 +52,10 @@ class RouteStage:
     def route(self, prompt: Prompt, admission: Admission, stream: bool, *, explain: bool = False) -> Routed:
         """Key the prompt's blocks, look them up in the index and let the policy decide; with ``explain``, the policy
         also fills in the numbers behind its decision (and nothing is counted: nothing is sent). ``route_ms`` is this
-        stage's time plus the tokenizer's CPU time."""
+        stage's time plus the tokenizer's CPU time. A traced request's decision is recorded on its ``route`` span
+        once it is forwarded (:meth:`~kvgate.router.pipeline.spans.RequestTrace.forwarding`)."""
+        if admission.trace is not None:
+            admission.trace.stage("route")
         with routing_errors():
             return self._route(prompt, admission, stream, explain)
 
@@ -120,6 +123,8 @@ class RouteStage:
     def route_least_loaded(self, model: str, admission: Admission, among: list[str] | None = None) -> Routed:
         """Requests with no prompt prefix to match (embeddings): the least-loaded replica of those that may serve the
         model (of ``among`` when given); no deadline but the cap."""
+        if admission.trace is not None:
+            admission.trace.stage("route")
         with routing_errors():
             started = time.perf_counter()
             request, decision, views = self._least_loaded(model, admission, among)
@@ -129,6 +134,8 @@ class RouteStage:
     def route_counted(self, prompt: Prompt, admission: Admission) -> Routed:
         """A prompt only counted, never run (``count_tokens``): the least-loaded of its replicas, its tokens kept
         for the parity check, nothing predicted."""
+        if admission.trace is not None:
+            admission.trace.stage("route")
         with routing_errors():
             started = time.perf_counter()
             request, decision, views = self._least_loaded(prompt.model, admission, prompt.candidates)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvgate.policies.base import NoHealthyReplica
 from kvgate.router.pipeline.errors import routing_errors
@@ -18,6 +19,9 @@ from kvgate.router.routing.catalog import ModelCatalog
 from kvgate.router.routing.model_state import ModelStates
 from kvgate.router.routing.parity import ParityMonitor
 from kvgate.router.routing.records import Prompt
+
+if TYPE_CHECKING:
+    from kvgate.router.pipeline.spans import RequestTrace
 
 
 class TokenizeStage:
@@ -31,14 +35,17 @@ class TokenizeStage:
 
     async def tokenize(
         self, parsed: Parsed, *, prompt_of: Callable[[], ChatPrompt] | None = None, pinned: str | None = None,
-        partial: bool = False,
+        partial: bool = False, trace: RequestTrace | None = None,
     ) -> Prompt:
         """Raises (as a 503) when no replica may serve the model, before tokenizing, and (as a 400) for a prompt the
         engine would refuse or one longer than the model takes. ``prompt_of`` makes the prompt (the API's parser of
         the body by default); ``pinned``, the one replica the request may go to; ``partial``, the prompt is not all
-        the engine will run (:attr:`~kvgate.router.routing.records.Prompt.partial`)."""
+        the engine will run (:attr:`~kvgate.router.routing.records.Prompt.partial`); ``trace``, the request's spans
+        when it is traced."""
         api = parsed.api
         assert api is not None
+        if trace is not None:
+            trace.stage("tokenize")
         with routing_errors():
             names = [pinned] if pinned is not None else self.catalog.candidates(parsed.model)
             if not self.catalog.takes_requests(names):

@@ -24,6 +24,7 @@ from kvgate.policies.config import TransferConfig
 from kvgate.policies.cost_model import CostModel
 from kvgate.router.apis.base import Api
 from kvgate.router.core.metrics import GatewayMetrics
+from kvgate.router.core.trace_context import AttemptTracing
 from kvgate.router.fleet.attempts import Attempts, Load
 from kvgate.router.routing.records import Routed
 from kvgate.router.upstream.proxy import AttemptFailed, Forward
@@ -50,12 +51,13 @@ def first_leg_body(api: Api, body: dict[str, Any]) -> dict[str, Any]:
 
 async def prefill_for_transfer(
     attempts: Attempts, api: Api, body: dict[str, Any], headers: dict[str, str], source: str, load: Load,
-    timeout_s: float,
+    timeout_s: float, trace: AttemptTracing | None = None,
 ) -> dict[str, Any] | None:
     """First leg of vLLM's NixlConnector handshake: prefill the prompt on ``source`` (one token, not streamed,
     same X-Request-Id) so its KV stays held for the destination; the ``kv_transfer_params`` the destination needs,
-    or None when the leg failed, timed out or answered without them."""
-    leg = Forward(api.path, _encode(first_leg_body(api, body)), headers, False, [source], 1)
+    or None when the leg failed, timed out or answered without them. A traced request's leg is one of its
+    attempts."""
+    leg = Forward(api.path, _encode(first_leg_body(api, body)), headers, False, [source], 1, trace=trace)
     try:
         async with asyncio.timeout(timeout_s):
             up = await attempts.forward(leg, load)
@@ -93,7 +95,7 @@ class TransferRunner:
 
     async def first_leg(
         self, api: Api, body: dict[str, Any], headers: dict[str, str], source: str, load: Load,
-        kind: Kind = "transfer",
+        kind: Kind = "transfer", trace: AttemptTracing | None = None,
     ) -> dict[str, Any] | None:
         """The prefill-only request on ``source``, counted: a handshake started, and the leg's duration (a failed
         leg is a fallback)."""
@@ -101,7 +103,7 @@ class TransferRunner:
         m.transfers[kind, "started"].inc()
         began = time.monotonic()
         params = await prefill_for_transfer(self.attempts, api, body, headers, source, load,
-                                            self.config.first_leg_timeout_s)
+                                            self.config.first_leg_timeout_s, trace)
         m.transfer_seconds[kind, "fallback" if params is None else "completed"].observe(time.monotonic() - began)
         if params is None:
             m.transfers[kind, "fallback"].inc()

@@ -3,10 +3,11 @@
 The root of the schema: each section is defined next to the component that reads it (those several floors of the
 gateway read in :mod:`kvgate.router.core.config`, the upstream client's in :mod:`kvgate.router.upstream.config`, the
 fleet's in :mod:`kvgate.router.fleet.config`, routing's in :mod:`kvgate.router.routing.config`, admission's in
-:mod:`kvgate.router.admission.config`, the peers' in :mod:`kvgate.router.peers.config`, the policies' and the cost
-model's in :mod:`kvgate.policies.config`) and assembled here. Every field has a default and a docstring;
-docs/configuration.md lists them. A bad file is rejected with the dotted path of the offending field (pydantic's
-``loc``) and the problem. Unknown keys are errors, so a typo never silently does nothing.
+:mod:`kvgate.router.admission.config`, the peers' in :mod:`kvgate.router.peers.config`, tracing's in
+:mod:`kvgate.router.pipeline.tracing`, the policies' and the cost model's in :mod:`kvgate.policies.config`) and
+assembled here. Every field has a default and a docstring; docs/configuration.md lists them. A bad file is rejected
+with the dotted path of the offending field (pydantic's ``loc``) and the problem. Unknown keys are errors, so a typo
+never silently does nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvgate.router.core.config import IndexConfig, LimitsConfig, ModelConfig, Se
 from kvgate.router.core.errors import ConfigError
 from kvgate.router.fleet.config import DiscoveryConfig, ReplicaConfig
 from kvgate.router.peers.config import PeersConfig
+from kvgate.router.pipeline.tracing import TracingConfig
 from kvgate.router.routing.config import ParityConfig, ResponsesConfig
 from kvgate.router.upstream.config import BreakerConfig, HealthConfig, ProxyConfig, ScrapeConfig
 
@@ -54,6 +56,7 @@ class KvgateConfig(Section):
     parity: ParityConfig = ParityConfig()
     responses: ResponsesConfig = ResponsesConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @model_validator(mode="after")
     def _unique_names(self) -> "KvgateConfig":

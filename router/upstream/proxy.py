@@ -14,6 +14,7 @@ and what counts as a stream's first output come with the request (:class:`Forwar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.trace_context import AttemptTracing
 from kvgate.router.upstream.config import ProxyConfig
 from kvgate.router.upstream.first_token import read_to_first_output
 
@@ -77,6 +79,8 @@ class Forward:
     holds_output: Callable[[bytes], bool] | None = None
     """Streaming: whether the answer's start holds its first output (the request's API's); None: its first byte."""
     method: str = "POST"
+    trace: AttemptTracing | None = None
+    """The traced request this is part of: each attempt is a span of it, whose context the engine gets."""
 
 
 @dataclass(slots=True)
@@ -94,6 +98,8 @@ class Proxy:
         """Send ``fwd`` to ``url``: the response, its first output (streaming) or whole body, and the monotonic time
         that arrived. Raises :class:`AttemptFailed` for a refused or lost connection, no first byte within
         ``first_byte_deadline_s``, or a retryable status (5xx, 429)."""
+        if fwd.trace is not None:
+            return await self._traced_attempt(url, fwd, first_byte_deadline_s)
         cfg = self.config
         timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, sock_connect=cfg.connect_timeout_s)
         response: aiohttp.ClientResponse | None = None
@@ -133,6 +139,25 @@ class Proxy:
             if response is not None:
                 response.close()
             raise
+
+    async def _traced_attempt(
+        self, url: str, fwd: Forward, first_byte_deadline_s: float
+    ) -> tuple[aiohttp.ClientResponse, bytes, float]:
+        """The attempt in its own span, told how it went: the request carries the span's trace context (and no
+        trace of its own, so it is sent as an untraced one)."""
+        assert fwd.trace is not None
+        span = fwd.trace.attempt(url, fwd.method)
+        untraced = dataclasses.replace(fwd, headers=span.headers(fwd.headers), trace=None)
+        try:
+            response, body, at = await self.attempt(url, untraced, first_byte_deadline_s)
+        except AttemptFailed as failed:
+            span.failed(failed.cause, failed.status)
+            raise
+        except BaseException:
+            span.abandoned()
+            raise
+        span.answered(response.status, streaming=fwd.stream and response.status == 200)
+        return response, body, at
 
 
 def first_byte_deadline_s(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvgate.router.apis.base import Api
+from kvgate.router.core.trace_context import AttemptTracing
 from kvgate.router.fleet.attempts import Load, Upstream
 from kvgate.router.routing.records import Routed
 
@@ -40,6 +41,8 @@ class HandoffRequest:
     headers: dict[str, str]
     """The headers every leg carries (the client's ``X-Request-Id`` among them)."""
     routed: Routed
+    trace: AttemptTracing | None = None
+    """The traced request: each leg's engine request is an attempt of it."""
 
     def load_on(self, replica: str) -> Load:
         """What a leg of this request puts on ``replica``: its uncached prompt tokens there."""

@@ -108,7 +108,8 @@ class SglangHandoff:
         began = time.monotonic()
         timeout_s = self.config.first_leg_timeout_s
         prefill_fwd = Forward(request.api.path, _encode(prefill_leg_body(request.api, request.body, room)),
-                              request.headers, False, [decision.source], 1, {decision.source: timeout_s})
+                              request.headers, False, [decision.source], 1, {decision.source: timeout_s},
+                              trace=request.trace)
         leg = self.attempts.forward(prefill_fwd, request.load_on(decision.source))
         prefill_leg = asyncio.ensure_future(_within(leg, timeout_s))
         decode_leg = asyncio.ensure_future(send(_encode(decode_leg_body(request.body, room)), [decision.replica]))

@@ -35,7 +35,7 @@ class VllmHandoff:
         assert decision.source is not None
         params = await self.transfers.first_leg(
             request.api, request.body, request.headers, decision.source, request.load_on(decision.source),
-            kind_of(routed),
+            kind_of(routed), request.trace,
         )
         if params is None:
             log.warning("prefill leg on %s failed: prefilling on %s", decision.source, decision.replica)
