@@ -15,10 +15,13 @@ subscriptions), which is not part of the per-request numbers' story but is spent
 ``--compare-tree DIR`` adds a second kvgate run from another source tree, from that tree's own ``.venv`` (e.g.
 ``git worktree add /tmp/old HEAD~3`` and ``/tmp/old/dev.sh kvgate --help`` once to make it), so a change is measured
 against its predecessor side by side in one run on a noisy machine.
+``--traced`` adds kvgate with tracing on (every request sampled, spans exported over OTLP/HTTP to a sink this
+script runs, which answers every export at once): tracing's cost, paired round by round against kvgate untraced.
 ``--rounds N`` runs every target N times per scenario in a rotated order and reports medians, plus kvgate's CPU per
 request above the bare proxy (and above the ``--compare-tree`` kvgate) paired round by round: single runs on a shared
 2-core machine vary by ~0.2 ms.
-Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick] [--rounds N] [--chars 2000] [--compare-tree DIR]``.
+Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick] [--rounds N] [--chars 2000] [--compare-tree DIR]
+[--traced]``.
 """
 
 
@@ -79,6 +82,20 @@ def run_bare_proxy(port: int, upstream: str) -> None:
                 log_level="warning")
 
 
+def run_otlp_sink(port: int) -> None:
+    """A collector that takes every OTLP/HTTP export and keeps nothing: what kvgate pays to export, not a
+    collector's own cost."""
+    from aiohttp import web
+
+    async def accept(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", accept)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
 # --- targets -----------------------------------------------------------------------------------------------------
 
 
@@ -107,7 +124,10 @@ class Target:
         return total / CLK_TCK
 
 
-def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tuple[ChildProcess, list[Target]]:
+def start_targets(
+    tmp: Path, with_sglang: bool, compare_tree: Path | None, traced: bool = False
+) -> tuple[list[ChildProcess], list[Target]]:
+    """The targets, direct first, and the processes behind them that are not measured (the sim, the OTLP sink)."""
     sim_port, zmq_port = free_port_block(1), free_port_block(2)
     fleet = tmp / "fleet.yaml"
     sim = ChildProcess(
@@ -118,6 +138,7 @@ def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tu
     sim_url = f"http://127.0.0.1:{sim_port}"
     sim.wait_http(sim_url + "/health", 60)
     targets = [Target("direct", sim_url, None)]
+    background = [sim]
 
     bare_port = free_port_block(1)
     bare = ChildProcess("bare proxy", [sys.executable, __file__, "bare-proxy", "--port", str(bare_port), "--upstream",
@@ -128,6 +149,18 @@ def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tu
     kvgate = ChildProcess("kvgate", [*KVGATE, "serve", "--config", str(fleet), "--port", str(kv_port)],
                           tmp / "kvgate.log").start()  # as deployed: one JSON log line per request
     targets.append(Target("kvgate", f"http://127.0.0.1:{kv_port}", kvgate))
+
+    if traced:
+        sink_port, traced_port = free_port_block(1), free_port_block(1)
+        sink = ChildProcess("otlp sink", [sys.executable, __file__, "otlp-sink", "--port", str(sink_port)],
+                            tmp / "otlp-sink.log").start()
+        sink.wait_http(f"http://127.0.0.1:{sink_port}/v1/traces", 60, ready=lambda status: True)
+        env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink_port}/v1/traces",
+               "OTEL_TRACES_SAMPLER": "always_on"}
+        kv_traced = ChildProcess("kvgate traced", [*KVGATE, "serve", "--config", str(fleet), "--port", str(traced_port)],
+                                 tmp / "kvgate-traced.log", env=env).start()
+        targets.append(Target("kvgate+traces", f"http://127.0.0.1:{traced_port}", kv_traced))
+        background.append(sink)
 
     if compare_tree is not None:
         old_port = free_port_block(1)
@@ -156,9 +189,10 @@ def start_targets(tmp: Path, with_sglang: bool, compare_tree: Path | None) -> tu
         for t in targets[1:]:
             assert t.process is not None
             t.process.stop()
-        sim.stop()
+        for process in background:
+            process.stop()
         raise
-    return sim, targets
+    return background, targets
 
 
 # --- the driver --------------------------------------------------------------------------------------------------
@@ -266,7 +300,7 @@ def make_document(chars: int) -> str:
 async def main_async(args: argparse.Namespace) -> None:
     with_sglang = importlib.util.find_spec("sglang_router") is not None and not args.no_sglang
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        sim, targets = start_targets(Path(tmp), with_sglang, args.compare_tree)
+        background, targets = start_targets(Path(tmp), with_sglang, args.compare_tree, args.traced)
         try:
             idle = await idle_cpu_ms_per_s(targets, IDLE_SECONDS)
             print("idle CPU ms/s: " + ", ".join(f"{name} {ms:.1f}" for name, ms in idle.items()))
@@ -310,6 +344,10 @@ async def main_async(args: argparse.Namespace) -> None:
                     diffs = sorted(k - b for k, b in zip(cpu["kvgate"], cpu["bare-proxy"]))
                     print(f"{'':>21}kvgate - bare-proxy CPU per request, paired by round: median "
                           f"{statistics.median(diffs):.3f} ms (range {diffs[0]:.3f} to {diffs[-1]:.3f})")
+                if args.rounds > 1 and cpu.get("kvgate+traces") and cpu.get("kvgate"):
+                    diffs = sorted(t - k for t, k in zip(cpu["kvgate+traces"], cpu["kvgate"]))
+                    print(f"{'':>21}kvgate+traces - kvgate CPU per request, paired by round: median "
+                          f"{statistics.median(diffs):.3f} ms (range {diffs[0]:.3f} to {diffs[-1]:.3f})")
                 compared = [name for name in cpu if name.startswith("kvgate@")]
                 if args.rounds > 1 and compared and cpu.get("kvgate") and cpu.get(compared[0]):
                     diffs = sorted(k - o for k, o in zip(cpu["kvgate"], cpu[compared[0]]))
@@ -320,7 +358,8 @@ async def main_async(args: argparse.Namespace) -> None:
             for target in targets:
                 if target.process is not None:
                     target.process.stop()
-            sim.stop()
+            for process in background:
+                process.stop()
 
 
 def main() -> None:
@@ -329,6 +368,8 @@ def main() -> None:
     bare = sub.add_parser("bare-proxy")
     bare.add_argument("--port", type=int, required=True)
     bare.add_argument("--upstream", required=True)
+    sink = sub.add_parser("otlp-sink")
+    sink.add_argument("--port", type=int, required=True)
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests per scenario")
     parser.add_argument("--no-sglang", action="store_true", help="skip the SGLang gateway even when installed")
     parser.add_argument("--rounds", type=int, default=1,
@@ -338,9 +379,14 @@ def main() -> None:
                         help="only scenarios with this prompt size (repeatable)")
     parser.add_argument("--compare-tree", type=Path, default=None,
                         help="also run kvgate from this source tree's .venv (e.g. a git worktree of an older commit)")
+    parser.add_argument("--traced", action="store_true",
+                        help="also run kvgate with tracing on, exporting every request's spans to a local OTLP sink")
     args = parser.parse_args()
     if args.mode == "bare-proxy":
         run_bare_proxy(args.port, args.upstream)
+        return
+    if args.mode == "otlp-sink":
+        run_otlp_sink(args.port)
         return
     try:
         import uvloop
