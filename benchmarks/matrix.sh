@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The standing matrix (docs/benchmarks.md, "The standing matrix"): every workload of benchmarks/workloads.sh, every
+# kvgate policy plus the SGLang gateway and smg, REPEATS times each with the order rotated, one bench at a time (run
+# it with nothing else on the machine); then benchmarks/matrix_report.py: cost's wins per repeat against every other
+# router, per workload, on mean and p99 TTFT.
+#   benchmarks/matrix.sh [OUT] [REPEATS] [WORKLOAD ...]   WORKLOAD = docs-tight docs-light trace turns agentic shared
+#                                                          unique (default all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench-out/matrix}
+REPEATS=${2:-3}
+shift 2 2>/dev/null || shift $#
+KVGATE=${KVGATE:-.venv/bin/kvgate}
+mkdir -p "$OUT"
+source benchmarks/workloads.sh
+ROUTERS=(--policies cost,prefix_affinity,least_loaded,round_robin --peer sglang --peer smg)
+COMMON=(--replicas 8 --repeat "$REPEATS" --no-progress "${ROUTERS[@]}")
+
+run() {  # run NAME ARGS...: skipped when OUT/NAME already has its results
+  local name=$1; shift
+  [ -f "$OUT/$name/results.json" ] && return 0
+  echo "$(date -u +%H:%M:%S) start $name"
+  "$KVGATE" bench "${COMMON[@]}" "$@" --out "$OUT/$name" >"$OUT/$name.log" 2>&1
+  echo "$(date -u +%H:%M:%S) done $name rc=$?"
+}
+
+# Rates as capacity_matrix.sh calibrated them: documents at the closed-loop throughput (capacity-bound) and at ~30%,
+# multi-turn and agentic at ~70%; shared prefixes and unique prompts at their own rates and concurrency caps.
+declare -A WORKLOADS=(
+  [docs-tight]="DOCS TIGHT --rate 7.5"
+  [docs-light]="DOCS TIGHT --rate 2.0"
+  [trace]="TRACE"
+  [turns]="TURNS TIGHT --rate 1.9"
+  [agentic]="AGENT TIGHT --rate 1.1"
+  [shared]="SHARED --kv-blocks 16384"
+  [unique]="UNIQUE"
+)
+ORDER=(docs-tight docs-light trace turns agentic shared unique)
+for name in "${@:-${ORDER[@]}}"; do
+  spec=${WORKLOADS[$name]:-}
+  [ -n "$spec" ] || { echo "unknown workload $name (one of: ${ORDER[*]})" >&2; exit 2; }
+  args=()
+  for word in $spec; do
+    case $word in
+      DOCS|TIGHT|TRACE|TURNS|AGENT|SHARED|UNIQUE) declare -n part=$word; args+=("${part[@]}"); unset -n part ;;
+      *) args+=("$word") ;;
+    esac
+  done
+  run "$name" "${args[@]}"
+done
+.venv/bin/python benchmarks/matrix_report.py "$OUT"
