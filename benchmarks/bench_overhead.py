@@ -157,7 +157,8 @@ def start_targets(
         sink.wait_http(f"http://127.0.0.1:{sink_port}/v1/traces", 60, ready=lambda status: True)
         env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink_port}/v1/traces",
                "OTEL_TRACES_SAMPLER": "always_on"}
-        kv_traced = ChildProcess("kvgate traced", [*KVGATE, "serve", "--config", str(fleet), "--port", str(traced_port)],
+        kv_traced = ChildProcess("kvgate traced",
+                                 [*KVGATE, "serve", "--config", str(fleet), "--port", str(traced_port)],
                                  tmp / "kvgate-traced.log", env=env).start()
         targets.append(Target("kvgate+traces", f"http://127.0.0.1:{traced_port}", kv_traced))
         background.append(sink)

@@ -39,6 +39,7 @@ from kvgate.router.core.metrics import (
 from kvgate.router.core.tenants import TenantResolver, salt_secret
 from kvgate.router.fleet.attempts import Attempts
 from kvgate.router.fleet.block_sizes import BlockSizes
+from kvgate.router.fleet.blindness import BlindnessCollector
 from kvgate.router.fleet.discovery import Discovery
 from kvgate.router.fleet.state import Fleet
 from kvgate.router.indexing import IndexFeed
@@ -253,6 +254,7 @@ class Gateway:
     def _register_collectors(self) -> None:
         m = self.metrics
         m.add_collector(ReplicaStateCollector(lambda: list(self.fleet.replicas.values())))
+        m.add_collector(BlindnessCollector(self.fleet.blindness, self.fleet.unseen_rates))
         m.add_stats(self.index.stats, INDEX_SERIES)
         m.add_stats(lambda: self.ingestor.stats, INGEST_SERIES)
         m.add_stats(lambda: self.tokenizer.stats, TOKENIZER_SERIES)

@@ -1,5 +1,7 @@
 """Operator endpoints under ``/admin``: list, add, drain, undrain and remove replicas, and reload the policy file.
-The replica list also says, per model, whether kvgate's token counts agree with the engines' (the parity monitor).
+The replica list also says, per model, whether kvgate's token counts agree with the engines' (the parity monitor), and
+whether the engines finish more requests than this gateway and its peers sent them (``blind``: other callers it
+cannot see, :mod:`kvgate.router.fleet.blindness`).
 
 All of them need ``Authorization: Bearer <admin token>`` (``server.admin_token``, or env ``KVGATE_ADMIN_TOKEN``; see
 :mod:`kvgate.router.core.auth`); with no token configured the admin surface does not exist (404), so a forgotten setting
@@ -52,7 +54,8 @@ def build_admin_router(fleet: Fleet, holder: ConfigHolder, parity: ParityMonitor
             status = replica_status(fleet, replica)
             status["parity"] = {m: models[m]["trusted"] for m in status["models"] if m in models}
             data.append(status)
-        return JSONResponse({"object": "list", "data": data, "parity": models})
+        return JSONResponse({"object": "list", "data": data, "parity": models,
+                             "blind": fleet.blindness.state(fleet.clock())})
 
     @router.post("/replicas")
     async def add_replica(request: Request) -> JSONResponse:
@@ -117,6 +120,7 @@ def replica_status(fleet: Fleet, replica: Replica) -> dict[str, Any]:
         "in_flight_prefill_tokens": replica.in_flight_prefill_tokens,
         "in_flight_prefilling": replica.in_flight_prefilling,
         "arrival_rate_per_s": round(fleet.arrival_rate_per_s(replica), 3),
+        "unseen_request_rate_per_s": round(fleet.unseen_rate_per_s(replica), 3),
         "scraped": None
         if scraped is None
         else {

@@ -36,6 +36,9 @@ class Replica:
         self.prefilling_by_epoch: dict[int, int] = {}
         """This router's requests still prefilling here, by the epoch they were dispatched in (the load tickets keep
         it)."""
+        self.completions = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
+        """Requests this router dispatched here that are over, lately: what the engine's finishes include of its
+        own, trailing arrivals as they do (:mod:`kvgate.router.fleet.blindness`)."""
         self.engine_finishes = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
         """Requests the engine finished lately, whoever sent them (its scraped counter, differenced)."""
         self.scraped: ScrapedLoad | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -26,6 +27,7 @@ import aiohttp
 
 from kvgate.cache_index.match import PrefixMatch
 from kvgate.policies.base import ReplicaView
+from kvgate.router.fleet.blindness import UNSEEN_SHARE_ON, Blindness, Observation
 from kvgate.router.fleet.config import ReplicaConfig
 from kvgate.router.fleet.peer_work import PeerWork
 from kvgate.router.fleet.replica import Replica
@@ -37,6 +39,8 @@ from kvgate.router.upstream.scrape import ScrapedLoad, scrape_metrics
 
 log = logging.getLogger(__name__)
 
+BLINDNESS_EVERY_S = 1.0
+"""How often the blindness signal is judged, at most (after a scrape)."""
 REPORTED_RATE_MIN_PER_S = 0.01
 """A replica this gateway sends fewer requests a second than this is left out of its work report."""
 RECOVERY_SCRAPES = 5
@@ -85,6 +89,10 @@ class Fleet:
         self.peer_work: PeerWork | None = None
         """What other gateways dispatched to each replica (written by ``peers.hints``), added to this gateway's own
         in its views; None without work sharing."""
+        self.blindness = Blindness()
+        """Whether the engines finish more than this gateway and its peers send them (:mod:`.blindness`), judged
+        after scrapes, at most every ``BLINDNESS_EVERY_S``."""
+        self._blindness_judged_at = -math.inf
         self._from_config: set[str] = set()
         """Replicas the policy file owns; admin-added ones survive reloads that do not mention them."""
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
@@ -204,7 +212,7 @@ class Fleet:
     def dispatch(self, name: str, prefill_tokens: int, caller: str | None = None) -> LoadTicket:
         replica = self.replicas[name]
         replica.arrivals.add(self.clock())
-        return LoadTicket(replica, max(0, prefill_tokens), caller)
+        return LoadTicket(replica, max(0, prefill_tokens), caller, self.clock)
 
     def may_eject(self) -> bool:
         """Whether one more replica's circuit may open: at most ``breaker.max_ejected_fraction`` of the fleet (at
@@ -330,7 +338,40 @@ class Fleet:
         if load is not None and replica.record_scrape(load, epoch) and self.replicas.get(replica.name) is replica:
             log.warning("replica %s restarted (process start time moved to %.3f)", replica.name, load.started_at)
             self._notify("on_restarted", replica.name, load.started_at)
+        now = self.clock()
+        if now - self._blindness_judged_at >= BLINDNESS_EVERY_S:
+            self._blindness_judged_at = now
+            self.judge_blindness(now)
         return load
+
+    def unseen_rate_per_s(self, replica: Replica, now: float | None = None) -> float:
+        """Requests per second ``replica``'s engine finished beyond what this gateway completed there and its peers
+        report sending (0 when everything is accounted for)."""
+        now = self.clock() if now is None else now
+        peers = NO_WORK if self.peer_work is None else self.peer_work.work(replica.name)
+        seen = replica.completions.per_s(now) + peers.arrival_rate_per_s
+        return max(0.0, replica.engine_finishes.per_s(now) - seen)
+
+    def unseen_rates(self) -> list[tuple[str, float]]:
+        now = self.clock()
+        return [(r.name, self.unseen_rate_per_s(r, now)) for r in self.replicas.values()]
+
+    def judge_blindness(self, now: float) -> None:
+        """Feed the blindness signal the fleet's summed rates (replicas with a scraped finish counter only)."""
+        engine = seen = own = 0.0
+        unseen: list[str] = []
+        for r in self.replicas.values():
+            if r.scraped is None or r.scraped.finished is None:
+                continue
+            peers = NO_WORK if self.peer_work is None else self.peer_work.work(r.name)
+            finished = r.engine_finishes.per_s(now)
+            known = r.completions.per_s(now) + peers.arrival_rate_per_s
+            engine += finished
+            seen += known
+            own += r.arrivals.per_s(now)
+            if finished > known * (1.0 + UNSEEN_SHARE_ON):
+                unseen.append(r.name)
+        self.blindness.update(now, Observation(engine, seen, own), unseen)
 
     async def _check_health(self, replica: Replica) -> None:
         health = self.health
