@@ -260,6 +260,16 @@ class PrefixIndex:
         slot = self._slots.get(replica)
         return 0 if slot is None else self._slot_entries[slot]
 
+    def holdings(self, replica: str) -> dict[str, int]:
+        """How much ``replica`` holds, counted: confirmed blocks on its GPU and in lower tiers, and predicted blocks
+        not yet confirmed (zeros for a replica never seen). Counts only: the keys are hashes of prompts."""
+        slot = self._slots.get(replica)
+        if slot is None:
+            return {"gpu_blocks": 0, "lower_tier_blocks": 0, "predicted_blocks": 0}
+        gpu = len(self._lru.get(slot, ()))
+        predicted = sum(1 for slots in self._predicted_deadlines.values() if slot in slots)
+        return {"gpu_blocks": gpu, "lower_tier_blocks": self._slot_entries[slot] - gpu, "predicted_blocks": predicted}
+
     def holds(self, replica: str, key: int) -> bool:
         """Whether ``replica`` holds ``key`` in any tier (confirmed holdings only)."""
         slot = self._slots.get(replica)

@@ -247,6 +247,19 @@ class EventIngestor:
     def replicas(self) -> list[str]:
         return list(self._replicas)
 
+    def stream_state(self, name: str, max_streams: int) -> dict[str, object] | None:
+        """Where ``name``'s event streams stand: its generation and block size, and per DP rank (at most
+        ``max_streams`` of them) the next sequence number expected and any gap being repaired."""
+        replica = self._replicas.get(name)
+        if replica is None:
+            return None
+        ranks = sorted(replica.streams.items(), key=lambda item: -1 if item[0] is None else item[0])
+        return {
+            "generation": replica.generation, "block_size": replica.block_size, "streams_total": len(ranks),
+            "streams": [{"dp_rank": rank, "expected_seq": s.expected, "gap": list(s.gap) if s.gap else None}
+                        for rank, s in ranks[:max_streams]],
+        }
+
     def expected_seq(self, name: str, dp_rank: int | None = None) -> int | None:
         replica = self._replicas.get(name)
         stream = None if replica is None else replica.streams.get(dp_rank)

@@ -12,6 +12,8 @@ checked before anything about the body is revealed, within the same deadline as 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,6 +25,7 @@ from kvgate.router.core.errors import ApiError
 from kvgate.router.fleet.config import ReplicaConfig
 from kvgate.router.fleet.replica import Replica
 from kvgate.router.fleet.state import Fleet
+from kvgate.router.gateway import Gateway
 from kvgate.router.pipeline.bodies import parse_body, read_body
 from kvgate.router.routing.parity import ParityMonitor
 from kvgate.router.settings.holder import ConfigHolder
@@ -30,9 +33,18 @@ from kvgate.router.settings.schema import format_validation_error
 
 MAX_ADMIN_BODY_BYTES = 65536
 """An admin body is one replica's settings: far less than this."""
+MAX_STATE_REPLICAS = 128
+"""Replicas ``/admin/state`` lists (``replicas_total`` says how many there are): with the caps below, each takes
+under 2 KiB, so the dump stays within a few hundred KiB however large the fleet."""
+MAX_STATE_STREAMS = 8
+"""Event streams (data-parallel ranks) listed per replica."""
+MAX_STATE_PEERS = 32
+"""Peer gateways listed, freshest report first."""
 
 
-def build_admin_router(fleet: Fleet, holder: ConfigHolder, parity: ParityMonitor) -> APIRouter:
+def build_admin_router(
+    fleet: Fleet, holder: ConfigHolder, parity: ParityMonitor, state: Callable[[], dict[str, Any]]
+) -> APIRouter:
     router = APIRouter(prefix="/admin")
 
     def authorize(request: Request) -> None:
@@ -56,6 +68,12 @@ def build_admin_router(fleet: Fleet, holder: ConfigHolder, parity: ParityMonitor
             data.append(status)
         return JSONResponse({"object": "list", "data": data, "parity": models,
                              "blind": fleet.blindness.state(fleet.clock())})
+
+    @router.get("/state")
+    async def dump_state(request: Request) -> JSONResponse:
+        """Everything behind the routing decisions, counted (:func:`state_dump`)."""
+        authorize(request)
+        return JSONResponse(state())
 
     @router.post("/replicas")
     async def add_replica(request: Request) -> JSONResponse:
@@ -131,4 +149,46 @@ def replica_status(fleet: Fleet, replica: Replica) -> dict[str, Any]:
             "age_ms": round((fleet.clock() - scraped.at) * 1000.0, 1),
         },
         "models": [m["id"] for m in replica.served_models],
+    }
+
+
+def state_dump(gateway: Gateway) -> dict[str, Any]:
+    """``/admin/state``: per replica what the cost policy sees of it (:func:`replica_status`), what the index holds
+    there by tier and where its KV-event streams stand; the index's and the event ingestor's totals; the peers whose
+    reports count and their age; the blindness signal; requests waiting at admission by band. Counts and
+    configuration only, never prompt text, token ids or block keys; every list is capped (``MAX_STATE_*``)."""
+    fleet = gateway.fleet
+    replicas = list(fleet.replicas.values())
+    rows = []
+    for replica in replicas[:MAX_STATE_REPLICAS]:
+        row = replica_status(fleet, replica)
+        row["index"] = gateway.index.holdings(replica.name)
+        row["events"] = gateway.ingestor.stream_state(replica.name, MAX_STATE_STREAMS)
+        rows.append(row)
+    ingest = gateway.ingestor.stats
+    exchange = gateway.hints.exchange
+    hints = gateway.holder.current.peers.hints
+    waiting: dict[str, int] = {}
+    for (band, _tenant), count in gateway.admission.depth():
+        waiting[str(band)] = waiting.get(str(band), 0) + count
+    return {
+        "replicas_total": len(replicas),
+        "replicas": rows,
+        "index": dataclasses.asdict(gateway.index.stats()),
+        "events": {
+            "events_applied": ingest.events_applied, "frames_applied": ingest.frames_applied,
+            "dropped": dict(ingest.dropped), "gaps_detected": ingest.gaps_detected,
+            "replays_requested": ingest.replays_requested, "replays_succeeded": ingest.replays_succeeded,
+            "replays_failed": ingest.replays_failed, "purges": ingest.purges, "restarts": ingest.restarts,
+            "resets": dict(ingest.resets),
+        },
+        "peers": {
+            "hints_bound": bool(hints.bind), "connected_endpoints": len(hints.connect),
+            "reporting": [{"instance": sender, "report_age_s": round(age, 3)}
+                          for sender, age in exchange.work.report_ages(MAX_STATE_PEERS)],
+            "reporting_total": exchange.work.peers(),
+            "stats": dataclasses.asdict(exchange.stats),
+        },
+        "blind": fleet.blindness.state(fleet.clock()),
+        "admission_waiting": waiting,
     }

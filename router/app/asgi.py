@@ -25,7 +25,7 @@ from kvgate.router.apis.anthropic import COUNT_TOKENS, MESSAGES
 from kvgate.router.apis.base import Api
 from kvgate.router.apis.openai import CHAT, COMPLETIONS
 from kvgate.router.apis.responses import RESPONSES
-from kvgate.router.app.admin import build_admin_router
+from kvgate.router.app.admin import build_admin_router, state_dump
 from kvgate.router.core.errors import ApiError, install_error_handlers, unexpected_error
 from kvgate.router.endpoints.callers import Callers
 from kvgate.router.endpoints.count_tokens import CountTokens
@@ -118,7 +118,7 @@ def create_app(holder: ConfigHolder) -> ProxiedEndpoints:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         flows.append(Flows(gateway))
-        app.include_router(build_admin_router(gateway.fleet, holder, gateway.parity))
+        app.include_router(build_admin_router(gateway.fleet, holder, gateway.parity, lambda: state_dump(gateway)))
         try:
             yield
         finally:

@@ -87,6 +87,12 @@ class PeerWork:
             del self._shares[sender]
         return DispatchedWork(tokens, prefilling, rate)
 
+    def report_ages(self, limit: int) -> list[tuple[str, float]]:
+        """Up to ``limit`` peers whose report still counts, freshest first, with its age in seconds."""
+        now = self.clock()
+        live = sorted((now - share.sent_at, sender) for sender, share in self._shares.items() if share.expires_at > now)
+        return [(sender, age) for age, sender in live[:limit]]
+
     def peers(self) -> int:
         """Peers whose report still counts."""
         now = self.clock()

@@ -43,7 +43,7 @@ async def admin(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Fleet,
         await fleet.start()
         app = FastAPI()
         install_error_handlers(app)
-        app.include_router(build_admin_router(fleet, holder, parity()))
+        app.include_router(build_admin_router(fleet, holder, parity(), dict))
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgate") as client:
                 yield client, fleet, holder, path
@@ -78,9 +78,10 @@ async def test_admin_off_without_token_is_404(tmp_path: Path, monkeypatch: pytes
     async with aiohttp.ClientSession() as session:
         app = FastAPI()
         install_error_handlers(app)
-        app.include_router(build_admin_router(fleet_of(holder.current, session), holder, parity()))
+        app.include_router(build_admin_router(fleet_of(holder.current, session), holder, parity(), dict))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://k") as client:
             assert_openai_error(await client.get("/admin/replicas", headers=AUTH), 404)
+            assert_openai_error(await client.get("/admin/state", headers=AUTH), 404)
             monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-env")
             resp = await client.get("/admin/replicas", headers={"Authorization": "Bearer from-env"})
             assert resp.status_code == 200
