@@ -267,7 +267,7 @@ class PrefixIndex:
         if slot is None:
             return {"gpu_blocks": 0, "lower_tier_blocks": 0, "predicted_blocks": 0}
         gpu = len(self._lru.get(slot, ()))
-        predicted = sum(1 for slots in self._predicted_deadlines.values() if slot in slots)
+        predicted = len(self._predicted_deadlines.get(slot, ()))
         return {"gpu_blocks": gpu, "lower_tier_blocks": self._slot_entries[slot] - gpu, "predicted_blocks": predicted}
 
     def holds(self, replica: str, key: int) -> bool:
