@@ -2,15 +2,18 @@
 clients calling the engines directly.
 
 Each engine's finished-requests counter (scraped) counts every caller's requests; this gateway knows its own (the
-requests it sent that completed) and what its peers report dispatching. In a steady state the engine's finish rate
+requests it sent that are over) and what its peers report dispatching. In a steady state the engine's finish rate
 equals the sum of those. When it is persistently higher, the gateway routes on a partial view: it predicts queues
 too short, places siblings cold that another gateway just warmed, and cannot know. Three gateways behind one load
 balancer with no ``peers`` each see about two thirds of the engines' load as unseen.
 
-Own completions, not dispatches, are compared with the engine's finishes so that both trail arrivals alike. The share
-is judged only while this gateway itself sends a request or more a second and the engines finish a few, so a quiet
-fleet or the tail of a burst decides nothing; it must hold above ``UNSEEN_SHARE_ON`` for ``SUSTAIN_S`` to raise the
-signal, and below ``UNSEEN_SHARE_OFF`` (or without evidence) as long to clear it, so it does not flap.
+Own completions, not dispatches, are compared with the engine's finishes: a request in flight has been dispatched
+and not finished, so dispatches run ahead of finishes by what is in flight, while completions trail arrivals as the
+engine's finishes do. Both are counted at the same scrapes (:meth:`Replica.record_scrape`) into rates of the same
+half-life. The share is judged only while this gateway itself sends ``MIN_OWN_PER_S`` or more and the engines finish
+``MIN_ENGINE_PER_S``, so a quiet fleet or the tail of a burst decides nothing; it must hold at or above
+``UNSEEN_SHARE_ON`` for ``SUSTAIN_S`` to raise the signal, and below ``UNSEEN_SHARE_OFF`` (or without evidence) as
+long to clear it, so it does not flap.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ SUSTAIN_S = 10.0
 MIN_ENGINE_PER_S = 2.0
 """The engines' summed finish rate below which nothing is judged: too few requests to tell a share from noise."""
 MIN_OWN_PER_S = 1.0
-"""This gateway's own dispatch rate below which nothing is judged: an idle gateway sees every finish as unseen."""
+"""This gateway's own dispatch rate below which nothing is judged: an idle gateway sees every finish as unseen, and
+routes nothing on its partial view."""
+MAX_NAMED_REPLICAS = 16
+"""Replicas a warning or the admin API names; the rest are counted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +73,15 @@ class Blindness:
         """The last unseen share judged (None: no evidence)."""
         self._crossing_since: float | None = None
         """When the share began to sit on the other side of the threshold that would flip the state."""
+        self.replicas: list[str] = []
+        """The replicas whose own unseen share was at or above ``UNSEEN_SHARE_ON`` at the last judgement."""
 
     def update(self, now: float, seen: Observation, replicas: Iterable[str] = ()) -> None:
+        """Judge ``seen``; ``replicas`` are those whose own share is at or above ``UNSEEN_SHARE_ON``, for the warning
+        and the admin API."""
         share = seen.unseen_share
         self.share = share
+        self.replicas = sorted(replicas)
         if self.blind:
             crossing = share is None or share < UNSEEN_SHARE_OFF
         else:
@@ -87,19 +98,29 @@ class Blindness:
         self._crossing_since = None
         if self.blind:
             log.warning(
-                "the engines finish %.0f%% more requests than this gateway and its known peers sent them (%.1f/s "
-                "against %.1f/s, replicas %s): other gateways without peers configured, or clients calling the "
-                "engines directly, share them, and routing sees only part of their load; configure peers (peers.hints, "
-                "docs/deploying.md, 'Several gateway replicas') so the gateways share what they send",
-                100.0 * (share or 0.0) / max(1e-9, 1.0 - (share or 0.0)), seen.engine_per_s, seen.seen_per_s,
-                ", ".join(sorted(replicas)) or "-")
+                "%.0f%% of the requests the engines finished were sent by nobody this gateway knows (%.1f/s finished, "
+                "%.1f/s sent by this gateway and its peers; replicas %s): other gateways without peers configured, or "
+                "clients calling the engines directly, and routing sees only part of the engines' load; configure "
+                "peers (peers.hints, docs/deploying.md, 'Several gateway replicas') so the gateways share what they "
+                "send", 100.0 * (share or 0.0), seen.engine_per_s, seen.seen_per_s, named(self.replicas))
         else:
-            log.info("the engines' load is accounted for again: this gateway and its peers sent what they finish")
+            log.info("the engines' load is accounted for again: this gateway and its known peers sent what they "
+                     "finish (unseen share %s)", "unknown" if share is None else f"{100.0 * share:.0f}%")
 
     def state(self, now: float) -> dict[str, object]:
-        """For the admin API: blind or not, the share last judged, and for how long."""
+        """For the admin API: blind or not, the share last judged, for how long the state has held, and the replicas
+        with an unseen share of their own (at most ``MAX_NAMED_REPLICAS``; ``replicas_total`` counts them)."""
         return {"blind": self.blind, "unseen_share": None if self.share is None else round(self.share, 3),
-                "for_s": None if self.since is None else round(now - self.since, 1)}
+                "for_s": None if self.since is None else round(now - self.since, 1),
+                "replicas": self.replicas[:MAX_NAMED_REPLICAS], "replicas_total": len(self.replicas)}
+
+
+def named(replicas: list[str]) -> str:
+    """A log line's list of replicas, at most ``MAX_NAMED_REPLICAS`` of them."""
+    if not replicas:
+        return "-"
+    more = len(replicas) - MAX_NAMED_REPLICAS
+    return ", ".join(replicas[:MAX_NAMED_REPLICAS]) + (f" and {more} more" if more > 0 else "")
 
 
 class BlindnessCollector(Collector):

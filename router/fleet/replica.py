@@ -36,9 +36,14 @@ class Replica:
         self.prefilling_by_epoch: dict[int, int] = {}
         """This router's requests still prefilling here, by the epoch they were dispatched in (the load tickets keep
         it)."""
+        self.completed = 0
+        """Requests this router dispatched here that are over (the load tickets count them): what the engine's
+        finished counter includes of this router's."""
+        self._completed_at_scrape = 0
         self.completions = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
-        """Requests this router dispatched here that are over, lately: what the engine's finishes include of its
-        own, trailing arrivals as they do (:mod:`kvgate.router.fleet.blindness`)."""
+        """This router's completions here lately, counted at each scrape as the engine's finishes are: both rates
+        cover the same instants, and both trail arrivals by what is in flight (:mod:`kvgate.router.fleet.blindness`).
+        """
         self.engine_finishes = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
         """Requests the engine finished lately, whoever sent them (its scraped counter, differenced)."""
         self.scraped: ScrapedLoad | None = None
@@ -76,15 +81,20 @@ class Replica:
 
     def record_scrape(self, load: ScrapedLoad, epoch: int) -> bool:
         """Keep the newest scrape (begun in ``epoch``); count the requests the engine finished since the previous
-        one. A counter that went down means the engine restarted: that interval counts nothing. True when the
-        engine's process start time moved since the last scrape that had one (the engine restarted)."""
+        one, and this router's own completed meanwhile. A counter that went down means the engine restarted: that
+        interval counts nothing. True when the engine's process start time moved since the last scrape that had one
+        (the engine restarted)."""
         previous = self.scraped
         self.scraped = load
         self.epoch_at_scrape = epoch
+        completed, self._completed_at_scrape = self.completed - self._completed_at_scrape, self.completed
         if previous is not None and previous.finished is not None and load.finished is not None:
             finished = load.finished - previous.finished
-            if finished > 0:
-                self.engine_finishes.add(load.at, finished)
+            if finished >= 0:
+                if finished:
+                    self.engine_finishes.add(load.at, finished)
+                if completed:
+                    self.completions.add(load.at, completed)
         if load.started_at is None:
             return False
         restarted = self.engine_started_at is not None and load.started_at != self.engine_started_at

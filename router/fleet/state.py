@@ -212,7 +212,7 @@ class Fleet:
     def dispatch(self, name: str, prefill_tokens: int, caller: str | None = None) -> LoadTicket:
         replica = self.replicas[name]
         replica.arrivals.add(self.clock())
-        return LoadTicket(replica, max(0, prefill_tokens), caller, self.clock)
+        return LoadTicket(replica, max(0, prefill_tokens), caller)
 
     def may_eject(self) -> bool:
         """Whether one more replica's circuit may open: at most ``breaker.max_ejected_fraction`` of the fleet (at
@@ -344,32 +344,35 @@ class Fleet:
             self.judge_blindness(now)
         return load
 
+    def finishes_and_seen_per_s(self, replica: Replica, now: float) -> tuple[float, float]:
+        """Requests per second ``replica``'s engine finished (every caller's), and what of that this gateway knows:
+        its own completed there plus its peers' reported dispatches."""
+        peers = NO_WORK if self.peer_work is None else self.peer_work.work(replica.name)
+        return replica.engine_finishes.per_s(now), replica.completions.per_s(now) + peers.arrival_rate_per_s
+
     def unseen_rate_per_s(self, replica: Replica, now: float | None = None) -> float:
         """Requests per second ``replica``'s engine finished beyond what this gateway completed there and its peers
         report sending (0 when everything is accounted for)."""
-        now = self.clock() if now is None else now
-        peers = NO_WORK if self.peer_work is None else self.peer_work.work(replica.name)
-        seen = replica.completions.per_s(now) + peers.arrival_rate_per_s
-        return max(0.0, replica.engine_finishes.per_s(now) - seen)
+        finished, seen = self.finishes_and_seen_per_s(replica, self.clock() if now is None else now)
+        return max(0.0, finished - seen)
 
     def unseen_rates(self) -> list[tuple[str, float]]:
         now = self.clock()
         return [(r.name, self.unseen_rate_per_s(r, now)) for r in self.replicas.values()]
 
     def judge_blindness(self, now: float) -> None:
-        """Feed the blindness signal the fleet's summed rates (replicas with a scraped finish counter only)."""
+        """Feed the blindness signal the fleet's summed rates (replicas with a scraped finish counter only), and the
+        replicas whose own unseen share is at the signal's threshold."""
         engine = seen = own = 0.0
         unseen: list[str] = []
         for r in self.replicas.values():
             if r.scraped is None or r.scraped.finished is None:
                 continue
-            peers = NO_WORK if self.peer_work is None else self.peer_work.work(r.name)
-            finished = r.engine_finishes.per_s(now)
-            known = r.completions.per_s(now) + peers.arrival_rate_per_s
+            finished, known = self.finishes_and_seen_per_s(r, now)
             engine += finished
             seen += known
             own += r.arrivals.per_s(now)
-            if finished > known * (1.0 + UNSEEN_SHARE_ON):
+            if finished > 0 and finished - known >= UNSEEN_SHARE_ON * finished:
                 unseen.append(r.name)
         self.blindness.update(now, Observation(engine, seen, own), unseen)
 

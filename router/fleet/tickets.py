@@ -3,8 +3,6 @@ of a gateway's dispatched work that peer gateways exchange (:mod:`kvgate.router.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import NamedTuple
 
 from kvgate.router.fleet.replica import Replica
@@ -25,12 +23,10 @@ NO_WORK = DispatchedWork()
 class LoadTicket:
     """The load one dispatched request puts on its replica, released exactly once."""
 
-    __slots__ = ("replica", "caller", "_prefill_tokens", "_prefilling", "_finished", "_epoch", "_clock")
+    __slots__ = ("replica", "caller", "_prefill_tokens", "_prefilling", "_finished", "_epoch")
 
-    def __init__(self, replica: Replica, prefill_tokens: int, caller: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, replica: Replica, prefill_tokens: int, caller: str | None = None) -> None:
         self.replica = replica
-        self._clock = clock
         self.caller = caller
         """Whose request it is (the tenant, None without tenants): the breaker counts failures by caller."""
         self._prefill_tokens = prefill_tokens
@@ -69,7 +65,7 @@ class LoadTicket:
         self._finished = True
         self.first_token()
         self.replica.in_flight -= 1
-        self.replica.completions.add(self._clock())
+        self.replica.completed += 1
         breaker = self.replica.breaker
         if ok:
             breaker.record_success()

@@ -11,7 +11,9 @@ import pytest
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.snapshot import pack_keys
 from kvgate.router.fleet.state import NO_WORK, DispatchedWork
-from kvgate.router.peers.hints import WARMING_FORMAT, WORK_FORMAT, Hint, HintExchange, Warming, Work
+from kvgate.router.peers.hints import (
+    MAX_HEARD_SENDERS, WARMING_FORMAT, WORK_FORMAT, Hint, HintExchange, Warming, Work,
+)
 from kvgate.router.fleet.peer_work import MAX_PREFILL_TOKENS, PeerWork
 from kvgate.router.settings.schema import parse_config
 
@@ -127,3 +129,23 @@ def test_a_peers_warming_reaches_replication_when_it_is_fresh_and_names_a_known_
     assert not hints.apply(msgspec.msgpack.encode([WARMING_FORMAT, clock.now, "peer", "r0", "p"]))
     assert heard == [(key, "r0")]
     assert hints.stats.applied == 1 and hints.stats.dropped == 4
+
+
+def test_the_peers_heard_are_remembered_freshest_first_and_bounded() -> None:
+    """What ``/admin/state`` lists of the peers: who was last heard from and when, only for messages taken in."""
+    clock = Clock()
+    hints = exchange(clock)
+    assert hints.apply(encode(Hint(clock.now, "a", "r0", pack_keys([1, 2]))))
+    clock.now += 0.5
+    assert hints.apply(encode(Work(clock.now, "b", [("r0", 10, 1, 1.0)])))
+    assert not hints.apply(encode(Hint(clock.now, "c", "elsewhere", pack_keys([1]))))  # dropped: not heard
+    assert not hints.apply(encode(Hint(clock.now, "me", "r0", pack_keys([1]))))  # its own
+    clock.now += 0.25
+    assert hints.heard(8) == [("b", 0.25), ("a", 0.75)] and hints.heard_total() == 2
+    assert hints.apply(encode(Warming(clock.now, "a", "r0", 7)))
+    assert [sender for sender, _ in hints.heard(8)] == ["a", "b"]
+    for i in range(MAX_HEARD_SENDERS + 10):
+        hints.apply(encode(Hint(clock.now, f"peer-{i}", "r0", pack_keys([i + 1]))))
+    assert hints.heard_total() == MAX_HEARD_SENDERS and len(hints.heard(5)) == 5
+    assert hints.heard(1)[0][0] == f"peer-{MAX_HEARD_SENDERS + 9}"
+    assert hints.subscribed() == []  # not started: subscribed to nothing
