@@ -96,6 +96,8 @@ class PrefixIndex:
         self._live_gpu = 0
         """The GPU bit of every live slot: the pattern lookups read tier masks through."""
         self._slot_entries: dict[int, int] = {}
+        self._tier_entries: dict[int, list[int]] = {}
+        """Per slot, its holdings in each tier (``_slot_entries`` is their sum)."""
         self._lru: dict[int, dict[int, None]] = {}
         """Per slot, its GPU holdings, least recently stored or dispatched first."""
         self._replicas: dict[str, ReplicaHoldings] = {}
@@ -117,6 +119,7 @@ class PrefixIndex:
             self._slots[replica] = slot
             self._names[slot] = replica
             self._slot_entries[slot] = 0
+            self._tier_entries[slot] = [0] * _TIERS
             self._live |= _SLOT_BITS << (slot * _TIERS)
             self._live_gpu |= 1 << (slot * _TIERS)
         return slot
@@ -161,6 +164,7 @@ class PrefixIndex:
             holders[key] = mask | bit
         self._entries += added
         self._slot_entries[slot] += added
+        self._tier_entries[slot][tier] += added
         if tier is Tier.GPU:
             self._refresh(slot, keys, stored=True)
         deadlines = self._predicted_deadlines.get(slot) if self._predicted_deadlines else None
@@ -183,16 +187,19 @@ class PrefixIndex:
             if lru is not None:
                 for key in keys:
                     lru.pop(key, None)
+        removed = 0
         for key in keys:
             mask = holders.get(key)
             if mask is not None and mask & bit:
-                self._entries -= 1
-                self._slot_entries[slot] -= 1
+                removed += 1
                 mask &= ~bit
                 if mask:
                     holders[key] = mask
                 else:
                     del holders[key]
+        self._entries -= removed
+        self._slot_entries[slot] -= removed
+        self._tier_entries[slot][tier] -= removed
 
     def evicted(self, replica: str) -> None:
         """The engine evicted a GPU block (one kvgate may not know): its cache is full for the rest of the
@@ -261,14 +268,17 @@ class PrefixIndex:
         return 0 if slot is None else self._slot_entries[slot]
 
     def holdings(self, replica: str) -> dict[str, int]:
-        """How much ``replica`` holds, counted: confirmed blocks on its GPU and in lower tiers, and predicted blocks
-        not yet confirmed (zeros for a replica never seen). Counts only: the keys are hashes of prompts."""
+        """How much ``replica`` holds, counted: confirmed blocks per tier, and blocks predicted there (just routed)
+        that its events have not confirmed yet and whose prediction has not expired (zeros for a replica never
+        seen). Counts only, for an operator: the keys are hashes of prompts."""
         slot = self._slots.get(replica)
-        if slot is None:
-            return {"gpu_blocks": 0, "lower_tier_blocks": 0, "predicted_blocks": 0}
-        gpu = len(self._lru.get(slot, ()))
-        predicted = len(self._predicted_deadlines.get(slot, ()))
-        return {"gpu_blocks": gpu, "lower_tier_blocks": self._slot_entries[slot] - gpu, "predicted_blocks": predicted}
+        tiers = [0] * _TIERS if slot is None else self._tier_entries[slot]
+        deadlines = None if slot is None else self._predicted_deadlines.get(slot)
+        now = self._clock()
+        predicted = 0 if not deadlines else sum(1 for deadline in deadlines.values() if deadline > now)
+        counts = {f"{tier.name.lower()}_blocks": tiers[tier] for tier in Tier}
+        counts["predicted_blocks"] = predicted
+        return counts
 
     def holds(self, replica: str, key: int) -> bool:
         """Whether ``replica`` holds ``key`` in any tier (confirmed holdings only)."""
@@ -284,6 +294,7 @@ class PrefixIndex:
             return 0
         del self._names[slot]
         removed = self._slot_entries.pop(slot)
+        del self._tier_entries[slot]
         self._lru.pop(slot, None)
         self._entries -= removed
         self._live &= ~(_SLOT_BITS << (slot * _TIERS))
@@ -352,6 +363,7 @@ class PrefixIndex:
                     low = live & -live
                     bit = low.bit_length() - 1
                     self._slot_entries[bit // _TIERS] -= 1
+                    self._tier_entries[bit // _TIERS][bit % _TIERS] -= 1
                     if bit % _TIERS == Tier.GPU:
                         lru = self._lru.get(bit // _TIERS)
                         if lru is not None:

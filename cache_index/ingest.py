@@ -20,8 +20,8 @@ Restarts the sequence cannot show (the new engine's first frames were missed, or
 reported by the router from the engine's scraped process start time (:meth:`EventIngestor.engine_started`): unless
 the current generation already began with that engine's own frames, the generation is bumped. From then on a frame
 whose batch timestamp predates the process start (published by the old engine, still in flight) is stale: the
-timestamp and the start time both come from the engine host's clock. A caller that captured a generation before awaiting something
-(a replay) passes it back, and frames of an older generation are discarded as stale.
+timestamp and the start time both come from the engine host's clock. A caller that captured a generation before
+awaiting something (a replay) passes it back, and frames of an older generation are discarded as stale.
 
 Keys: a ``BlockStored`` chain with no parent is rooted at the namespace of (replica's model, weight version, cache
 salt, LoRA name); the salt is SGLang's ``cache_salt`` field or the bare string vLLM publishes in block 0's extra keys
@@ -43,7 +43,8 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvgate.cache_index.events import Cleared, DecodedBatch, MalformedBatch, Removed, Stored, decode_batch
@@ -130,6 +131,24 @@ class IngestStats:
 
 
 @dataclass(slots=True)
+class StreamCounts:
+    """One replica's frames (and events, for ``malformed`` and ``orphans``) by fate, over every generation: its share of
+    :class:`IngestStats`, for the operator."""
+
+    frames_applied: int = 0
+    replayed: int = 0
+    """Frames applied from the engine's replay buffer (repairing a gap, or catching up on joining)."""
+    gaps: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    malformed: int = 0
+    orphans: int = 0
+    """Stored chains whose parent was never seen: skipped, a miss later."""
+    purges: int = 0
+    restarts: int = 0
+
+
+@dataclass(slots=True)
 class _Stream:
     expected: int | None = None
     gap: tuple[int, int] | None = None
@@ -156,6 +175,9 @@ class _Replica:
     than that start (older ones are stale), so they are that process's own."""
     engine_keys: dict[int, int] = field(default_factory=dict)
     namespaces: dict[tuple[str | None, str | None], int] = field(default_factory=dict)
+    counts: StreamCounts = field(default_factory=StreamCounts)
+    last_frame_at: float | None = None
+    """When the ingestor was last handed a frame of this replica (its clock), whatever became of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +199,13 @@ class ResumePoint:
 class EventIngestor:
     """Applies KV-event frames of many replicas to one :class:`PrefixIndex`, enforcing the sequence rules."""
 
-    def __init__(self, index: PrefixIndex, *, duplicate_window: int = DEFAULT_DUPLICATE_WINDOW) -> None:
+    def __init__(
+        self, index: PrefixIndex, *, duplicate_window: int = DEFAULT_DUPLICATE_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index = index
         self.duplicate_window = duplicate_window
+        self.clock = clock
         self.stats = IngestStats()
         self._replicas: dict[str, _Replica] = {}
         self._retired_generations: dict[str, int] = {}
@@ -234,6 +260,7 @@ class EventIngestor:
         replica.engine_keys.clear()
         replica.streams[dp_rank] = _Stream()
         self.stats.purges += 1
+        replica.counts.purges += 1
 
     def generation(self, name: str) -> int:
         return self._replicas[name].generation
@@ -248,16 +275,20 @@ class EventIngestor:
         return list(self._replicas)
 
     def stream_state(self, name: str, max_streams: int) -> dict[str, object] | None:
-        """Where ``name``'s event streams stand: its generation and block size, and per DP rank (at most
-        ``max_streams`` of them) the next sequence number expected and any gap being repaired."""
+        """Where ``name``'s event streams stand, counted: its generation and block size, how long since its last
+        frame, its frames by fate (:class:`StreamCounts`), and per DP rank (at most ``max_streams`` of them) the last
+        sequence number taken and any gap being repaired. None for a replica not tracked."""
         replica = self._replicas.get(name)
         if replica is None:
             return None
         ranks = sorted(replica.streams.items(), key=lambda item: -1 if item[0] is None else item[0])
+        last = replica.last_frame_at
         return {
-            "generation": replica.generation, "block_size": replica.block_size, "streams_total": len(ranks),
-            "streams": [{"dp_rank": rank, "expected_seq": s.expected, "gap": list(s.gap) if s.gap else None}
-                        for rank, s in ranks[:max_streams]],
+            "generation": replica.generation, "block_size": replica.block_size,
+            "last_frame_age_s": None if last is None else round(self.clock() - last, 3),
+            "counts": asdict(replica.counts), "streams_total": len(ranks),
+            "streams": [{"dp_rank": rank, "last_seq": None if s.expected is None else s.expected - 1,
+                         "gap": list(s.gap) if s.gap else None} for rank, s in ranks[:max_streams]],
         }
 
     def expected_seq(self, name: str, dp_rank: int | None = None) -> int | None:
@@ -304,6 +335,7 @@ class EventIngestor:
             return False
         self._bump(name, replica, clear_streams=True, wiped=True)
         self.stats.restarts += 1
+        replica.counts.restarts += 1
         log.warning("kv-events %s: the engine restarted (process start time moved); generation %d", name,
                     replica.generation)
         return True
@@ -371,8 +403,11 @@ class EventIngestor:
         if replica is None:
             stats.dropped["unknown_replica"] += 1
             return ApplyResult(ApplyStatus.UNKNOWN_REPLICA)
+        replica.last_frame_at = self.clock()
+        counts = replica.counts
         if generation is not None and generation != replica.generation:
             stats.dropped["stale_generation"] += 1
+            counts.stale += 1
             return ApplyResult(ApplyStatus.STALE)
         batch: DecodedBatch | None = None
         problem = ""
@@ -382,6 +417,7 @@ class EventIngestor:
             problem = str(exc)
         if batch is not None and replica.started_at is not None and batch.ts < replica.started_at:
             stats.dropped["stale_generation"] += 1  # the old engine's, still in flight after its restart
+            counts.stale += 1
             return ApplyResult(ApplyStatus.STALE, generation=replica.generation)
         stream = replica.streams.get(dp_rank)
         if stream is None:
@@ -392,13 +428,16 @@ class EventIngestor:
             if seq > expected:
                 if stream.gap is None:
                     stats.gaps_detected += 1
+                    counts.gaps += 1
                     stream.gap = (expected, seq)
                 return ApplyResult(ApplyStatus.GAP, expected=expected, got=seq)
             if self._is_duplicate(stream, seq, expected, source):
                 stats.dropped["duplicate"] += 1
+                counts.duplicates += 1
                 return ApplyResult(ApplyStatus.DUPLICATE)
             self._bump(name, replica, clear_streams=True, restart=True)
             stats.restarts += 1
+            counts.restarts += 1
             stream = replica.streams[dp_rank] = _Stream()
             status = ApplyStatus.RESTARTED
         stream.expected = seq + 1
@@ -413,12 +452,18 @@ class EventIngestor:
         if replica.first_ts is None:  # an AllBlocksCleared in it started a generation
             replica.first_ts = batch.ts
         stats.frames_applied += 1
+        counts.frames_applied += 1
+        if source == "replay":
+            counts.replayed += 1
         return ApplyResult(status, events=applied, generation=replica.generation)
 
     def malformed(self, name: str, reason: str) -> None:
         """Count a frame or event no engine would publish, and log it, rate-limited per replica."""
         self.stats.dropped["malformed"] += 1
-        now = time.monotonic()
+        replica = self._replicas.get(name)
+        if replica is not None:
+            replica.counts.malformed += 1
+        now = self.clock()
         last, unlogged = self._malformed_logged.get(name, (-math.inf, 0))
         if now - last < MALFORMED_LOG_INTERVAL_S:
             self._malformed_logged[name] = (last, unlogged + 1)
@@ -472,6 +517,7 @@ class EventIngestor:
             found = replica.engine_keys.get(event.parent)
             if found is None:
                 dropped["orphan"] += 1
+                replica.counts.orphans += 1
                 return 0
             parent = found
             extras = _fold_extras(extra_keys, event.lora_name) if extra_keys else None

@@ -328,6 +328,10 @@ class AdmissionGate:
                 totals[key] = totals.get(key, 0) + count
         return iter(totals.items())
 
+    def depth_by_model(self) -> dict[str, int]:
+        """Waiting requests per model (each has its queue)."""
+        return {model: len(queue) for model, queue in self._queues.items() if len(queue)}
+
     def fairness(self) -> float:
         return self._fairness.index(self.clock())
 

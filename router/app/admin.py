@@ -20,12 +20,15 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from kvgate.cache_index.match import PrefixMatch
+from kvgate.router.admission.gate import NO_TENANT
 from kvgate.router.core.auth import Credentials
 from kvgate.router.core.errors import ApiError
 from kvgate.router.fleet.config import ReplicaConfig
 from kvgate.router.fleet.replica import Replica
 from kvgate.router.fleet.state import Fleet
 from kvgate.router.gateway import Gateway
+from kvgate.router.peers.hints import MAX_HEARD_SENDERS
 from kvgate.router.pipeline.bodies import parse_body, read_body
 from kvgate.router.routing.parity import ParityMonitor
 from kvgate.router.settings.holder import ConfigHolder
@@ -35,11 +38,15 @@ MAX_ADMIN_BODY_BYTES = 65536
 """An admin body is one replica's settings: far less than this."""
 MAX_STATE_REPLICAS = 128
 """Replicas ``/admin/state`` lists (``replicas_total`` says how many there are): with the caps below, each takes
-under 2 KiB, so the dump stays within a few hundred KiB however large the fleet."""
+about 2 KiB, so the dump stays within a few hundred KiB however large the fleet."""
 MAX_STATE_STREAMS = 8
 """Event streams (data-parallel ranks) listed per replica."""
+MAX_STATE_MODELS = 8
+"""Models (LoRA adapters included) listed per replica."""
 MAX_STATE_PEERS = 32
-"""Peer gateways listed, freshest report first."""
+"""Peer gateways listed, the most recently heard first, and peer endpoints and URLs listed."""
+MAX_STATE_QUEUES = 32
+"""Models and tenants listed with requests waiting at admission, the most waiting first."""
 
 
 def build_admin_router(
@@ -120,8 +127,14 @@ def build_admin_router(
 
 
 def replica_status(fleet: Fleet, replica: Replica) -> dict[str, Any]:
-    """What an operator wants to see about one replica (also the admin API's response body)."""
-    scraped = fleet.fresh_scrape(replica)
+    """What an operator wants to see about one replica (also the admin API's response body): its settings and health;
+    this gateway's own load there, the peers' reported work (None without work sharing) and the two as the cost
+    policy counts them now (``cost_view``, from ``Fleet.view``); the engine's last scrape; and the requests a second
+    the engine finished that nobody known sent (``unseen_request_rate_per_s``)."""
+    now = fleet.clock()
+    scraped = fleet.fresh_scrape(replica, now)
+    view = fleet.view(replica.name, PrefixMatch())
+    peers = None if fleet.peer_work is None else fleet.peer_work.work(replica.name)
     return {
         "name": replica.name,
         "url": replica.url,
@@ -137,8 +150,14 @@ def replica_status(fleet: Fleet, replica: Replica) -> dict[str, Any]:
         "in_flight": replica.in_flight,
         "in_flight_prefill_tokens": replica.in_flight_prefill_tokens,
         "in_flight_prefilling": replica.in_flight_prefilling,
-        "arrival_rate_per_s": round(fleet.arrival_rate_per_s(replica), 3),
-        "unseen_request_rate_per_s": round(fleet.unseen_rate_per_s(replica), 3),
+        "arrival_rate_per_s": round(view.arrival_rate_per_s, 3),
+        "unseen_request_rate_per_s": round(fleet.unseen_rate_per_s(replica, now), 3),
+        "peers": None if peers is None else {
+            "prefill_tokens": peers.prefill_tokens, "prefilling": peers.prefilling,
+            "arrival_rate_per_s": round(peers.arrival_rate_per_s, 3),
+        },
+        "cost_view": {"in_flight_prefilling": view.in_flight_prefilling,
+                      "in_flight_prefill_tokens": view.in_flight_prefill_tokens},
         "scraped": None
         if scraped is None
         else {
@@ -146,7 +165,7 @@ def replica_status(fleet: Fleet, replica: Replica) -> dict[str, Any]:
             "running": scraped.running,
             "kv_usage": scraped.kv_usage,
             "block_size": scraped.block_size,
-            "age_ms": round((fleet.clock() - scraped.at) * 1000.0, 1),
+            "age_ms": round((now - scraped.at) * 1000.0, 1),
         },
         "models": [m["id"] for m in replica.served_models],
     }
@@ -154,25 +173,23 @@ def replica_status(fleet: Fleet, replica: Replica) -> dict[str, Any]:
 
 def state_dump(gateway: Gateway) -> dict[str, Any]:
     """``/admin/state``: per replica what the cost policy sees of it (:func:`replica_status`), what the index holds
-    there by tier and where its KV-event streams stand; the index's and the event ingestor's totals; the peers whose
-    reports count and their age; the blindness signal; requests waiting at admission by band. Counts and
-    configuration only, never prompt text, token ids or block keys; every list is capped (``MAX_STATE_*``)."""
+    there by tier and where its KV-event streams stand; the index's and the event ingestor's totals; the peers; the
+    blindness signal; requests waiting at admission. Counts and configuration only, never prompt text, token ids or
+    block keys (keys are hashes of prompts); every list is capped (``MAX_STATE_*``), with a count of the whole."""
     fleet = gateway.fleet
     replicas = list(fleet.replicas.values())
     rows = []
     for replica in replicas[:MAX_STATE_REPLICAS]:
         row = replica_status(fleet, replica)
+        row["models_total"] = len(row["models"])
+        row["models"] = row["models"][:MAX_STATE_MODELS]
         row["index"] = gateway.index.holdings(replica.name)
         row["events"] = gateway.ingestor.stream_state(replica.name, MAX_STATE_STREAMS)
         rows.append(row)
     ingest = gateway.ingestor.stats
-    exchange = gateway.hints.exchange
-    hints = gateway.holder.current.peers.hints
-    waiting: dict[str, int] = {}
-    for (band, _tenant), count in gateway.admission.depth():
-        waiting[str(band)] = waiting.get(str(band), 0) + count
     return {
         "replicas_total": len(replicas),
+        "replicas_truncated": max(0, len(replicas) - MAX_STATE_REPLICAS),
         "replicas": rows,
         "index": dataclasses.asdict(gateway.index.stats()),
         "events": {
@@ -182,13 +199,54 @@ def state_dump(gateway: Gateway) -> dict[str, Any]:
             "replays_failed": ingest.replays_failed, "purges": ingest.purges, "restarts": ingest.restarts,
             "resets": dict(ingest.resets),
         },
-        "peers": {
-            "hints_bound": bool(hints.bind), "connected_endpoints": len(hints.connect),
-            "reporting": [{"instance": sender, "report_age_s": round(age, 3)}
-                          for sender, age in exchange.work.report_ages(MAX_STATE_PEERS)],
-            "reporting_total": exchange.work.peers(),
-            "stats": dataclasses.asdict(exchange.stats),
-        },
+        "peers": peers_state(gateway),
         "blind": fleet.blindness.state(fleet.clock()),
-        "admission_waiting": waiting,
+        "admission": admission_state(gateway),
     }
+
+
+def peers_state(gateway: Gateway) -> dict[str, Any]:
+    """The other gateways: the ones configured for warm start, the hint endpoints subscribed to (configured and found
+    by DNS), each peer heard from with the age of its last message and of its work report in force, and the
+    exchange's counters (drops included)."""
+    peers = gateway.holder.current.peers
+    exchange = gateway.hints.exchange
+    reports = dict(exchange.work.report_ages(MAX_HEARD_SENDERS))
+    subscribed = exchange.subscribed()
+    return {
+        "warm_start": {"urls": peers.urls[:MAX_STATE_PEERS], "urls_total": len(peers.urls), "dns": peers.dns.name},
+        "hints": {"publishing": bool(peers.hints.bind), "subscribed": subscribed[:MAX_STATE_PEERS],
+                  "subscribed_total": len(subscribed), "work_ttl_s": peers.hints.work_ttl_s},
+        "heard": [{"instance": sender, "last_message_age_s": round(age, 3),
+                   "work_report_age_s": None if sender not in reports else round(reports[sender], 3)}
+                  for sender, age in exchange.heard(MAX_STATE_PEERS)],
+        "heard_total": exchange.heard_total(),
+        "reporting_total": exchange.work.peers(),
+        "stats": dataclasses.asdict(exchange.stats),
+    }
+
+
+def admission_state(gateway: Gateway) -> dict[str, Any]:
+    """Requests waiting at admission: in all, and for the bands (a request may name its own), models and tenants with
+    the most waiting."""
+    by_band: dict[int, int] = {}
+    by_tenant: dict[str, int] = {}
+    for (band, tenant), count in gateway.admission.depth():
+        by_band[band] = by_band.get(band, 0) + count
+        name = NO_TENANT if tenant is None else tenant
+        by_tenant[name] = by_tenant.get(name, 0) + count
+    by_model = gateway.admission.depth_by_model()
+    return {
+        "waiting": sum(by_band.values()),
+        "by_band": {str(band): n for band, n in most(by_band)},
+        "bands_total": len(by_band),
+        "by_model": dict(most(by_model)),
+        "models_total": len(by_model),
+        "by_tenant": dict(most(by_tenant)),
+        "tenants_total": len(by_tenant),
+    }
+
+
+def most(counts: dict[Any, int]) -> list[tuple[Any, int]]:
+    """The ``MAX_STATE_QUEUES`` largest counts."""
+    return sorted(counts.items(), key=lambda item: -item[1])[:MAX_STATE_QUEUES]

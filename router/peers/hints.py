@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -76,6 +77,8 @@ WORK_INTERVAL_S = 0.05
 WORK_MIN_GAP_S = 0.005
 """A dispatch publishes the work at once, but no sooner than this after the previous report: a burst of
 dispatches costs a report per gap, not one each."""
+MAX_HEARD_SENDERS = 256
+"""Peers whose last message time is kept (the longest silent is forgotten first): more gateways than a fleet runs."""
 ZAP_DOMAIN = "kvgate-hints"
 _KEY_LABEL = b"kvgate peer hints curve key"
 
@@ -169,6 +172,8 @@ class HintExchange:
         """Told of each warm-up a peer started (prefix key, target): replication plans none of that prefix."""
         self._dispatched = asyncio.Event()
         """Set by :meth:`publish`: the work just grew, report it now rather than at the next tick."""
+        self._heard: dict[str, float] = {}
+        """When each peer's last message was taken in (this gateway's clock), the longest silent first."""
 
     @property
     def follows_dns(self) -> bool:
@@ -253,10 +258,16 @@ class HintExchange:
         except (msgspec.DecodeError, msgspec.ValidationError):
             decoded = None
         if isinstance(decoded, Work):
-            return self._apply_work(decoded)
-        if isinstance(decoded, Warming):
-            return self._apply_warming(decoded)
-        hint = decoded
+            applied = self._apply_work(decoded)
+        elif isinstance(decoded, Warming):
+            applied = self._apply_warming(decoded)
+        else:
+            applied = self._apply_hint(decoded)
+        if applied and decoded is not None:
+            self._heard_from(decoded.sender[:MAX_SENDER_CHARS])
+        return applied
+
+    def _apply_hint(self, hint: Hint | None) -> bool:
         if hint is not None and hint.sender == self.sender:
             return False
         if hint is None or len(hint.keys) % 8 or not hint.keys or len(hint.keys) > 8 * MAX_HINT_KEYS \
@@ -270,6 +281,28 @@ class HintExchange:
         self.index.predict(hint.replica, unpack_keys(hint.keys), ttl_s=left)
         self.stats.applied += 1
         return True
+
+    def _heard_from(self, sender: str) -> None:
+        heard = self._heard
+        heard.pop(sender, None)
+        heard[sender] = self.clock()
+        if len(heard) > MAX_HEARD_SENDERS:
+            del heard[next(iter(heard))]
+
+    def heard(self, limit: int) -> list[tuple[str, float]]:
+        """Up to ``limit`` peers this gateway took a message from, the most recently heard first, with the seconds
+        since (as long as :data:`MAX_HEARD_SENDERS` are remembered)."""
+        now = self.clock()
+        return [(sender, now - at) for sender, at in itertools.islice(reversed(self._heard.items()), limit)]
+
+    def heard_total(self) -> int:
+        return len(self._heard)
+
+    def subscribed(self) -> list[str]:
+        """The peers' endpoints this gateway subscribes to: the configured ones and those found by DNS."""
+        if self._sub is None:
+            return []
+        return sorted(set(self.config.connect) | self._resolved)
 
     def _apply_warming(self, warming: Warming) -> bool:
         if warming.sender == self.sender:

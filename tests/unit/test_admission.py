@@ -179,9 +179,12 @@ async def test_saturated_requests_wait_and_go_by_band_then_fair_share() -> None:
     tasks.append(asyncio.create_task(one("batch", "batch", 10, 9)))
     tasks.append(asyncio.create_task(one("chat", "chat", 100, 0)))
     await until(lambda: g.waiting == 7)
+    assert g.depth_by_model() == {"m": 7}  # what /admin/state counts
+    assert dict(g.depth()) == {(0, "flood"): 5, (9, "batch"): 1, (0, "chat"): 1}
     switch.free = 4
     await asyncio.wait_for(asyncio.gather(*tasks), 2.0)
     assert order[0] in ("flood0", "chat") and order.index("chat") <= 1 and order[-1] == "batch"
+    assert g.depth_by_model() == {}
     g.close()
 
 

@@ -267,3 +267,47 @@ def test_unpredict_drops_predictions_and_keeps_confirmed_blocks() -> None:
     assert index.lookup(k, BS) == {"a": PrefixMatch(gpu=8), "b": PrefixMatch(predicted=16)}
     assert index.stats().predicted_entries == 4
     index.unpredict("c", k)  # a replica never seen: nothing to drop
+
+
+def test_holdings_count_each_tier_and_the_live_predictions() -> None:
+    """The operator's counts (``/admin/state``) follow stores, removals, eviction and drops, checked against a walk of
+    the whole index, and predictions count until they expire."""
+    clock = FakeClock()
+    index = PrefixIndex(max_entries=40, predicted_ttl_s=2.0, clock=clock)
+    assert index.holdings("a") == {"gpu_blocks": 0, "cpu_blocks": 0, "storage_blocks": 0, "predicted_blocks": 0}
+
+    def walked(replica: str) -> dict[str, int]:
+        counts = {f"{tier.name.lower()}_blocks": 0 for tier in Tier}
+        exported = index.export_holdings([replica]).get(replica)
+        for bits in (exported[1] if exported else b""):
+            for tier in Tier:
+                counts[f"{tier.name.lower()}_blocks"] += bits >> tier & 1
+        return counts
+
+    def check(replica: str) -> None:
+        held = index.holdings(replica)
+        assert {k: v for k, v in held.items() if k != "predicted_blocks"} == walked(replica)
+
+    k = keys(30)
+    index.store("a", k[:10], Tier.GPU, 0)
+    index.store("a", k[5:15], Tier.CPU, 0)
+    index.store("b", k[:8], Tier.STORAGE, 0)
+    index.remove("a", k[:3], Tier.GPU)
+    index.remove("a", k[:3], Tier.GPU)  # twice: counted once
+    check("a"), check("b")
+    assert index.holdings("a")["gpu_blocks"] == 7 and index.holdings("a")["cpu_blocks"] == 10
+    index.predict("b", k[20:25])
+    assert index.holdings("b")["predicted_blocks"] == 5
+    index.store("b", k[20:22], Tier.GPU, 0)  # two confirmed
+    assert index.holdings("b")["predicted_blocks"] == 3
+    clock.now += 3.0
+    assert index.holdings("b")["predicted_blocks"] == 0  # expired, whether or not a lookup swept them
+    index.store("c", k[:30], Tier.GPU, 0)  # over max_entries: evicts
+    for replica in ("a", "b", "c"):
+        check(replica)
+    assert index.stats().evictions > 0
+    assert sum(sum(index.holdings(r)[f"{t.name.lower()}_blocks"] for t in Tier) for r in "abc") == index.stats().entries
+    index.drop_replica("a")
+    assert index.holdings("a") == {"gpu_blocks": 0, "cpu_blocks": 0, "storage_blocks": 0, "predicted_blocks": 0}
+    index.store("a", k[:2], Tier.CPU, 1)
+    check("a")

@@ -342,3 +342,34 @@ def test_a_restart_the_subscriber_found_in_a_replay_is_not_counted_again(setup) 
     ingestor.apply("r", 0, timed(150.2, stored([7, 8], None, TOKENS[:8])))
     assert not ingestor.engine_started("r", 150.0)
     assert held(index) == 8 and ingestor.generation("r") == generation and ingestor.stats.restarts == 0
+
+
+def test_each_replica_counts_its_frames_by_fate_and_says_how_old_its_last_is() -> None:
+    """What ``/admin/state`` shows of a replica's event streams: counts and sequence numbers, nothing of a frame."""
+    now = [50.0]
+    ingestor = EventIngestor(PrefixIndex(), clock=lambda: now[0])
+    ingestor.add_replica("r", model="m")
+    ingestor.add_replica("quiet", model="m")
+    assert ingestor.stream_state("quiet", 8)["last_frame_age_s"] is None
+    assert ingestor.stream_state("unknown", 8) is None
+    ingestor.apply("r", 0, chain(tokens=TOKENS[:8]))
+    ingestor.apply("r", 2, frame())  # a gap
+    ingestor.apply("r", 1, frame(stored([9], 77, TOKENS[8:12])), source="replay")  # an orphan, replayed
+    ingestor.apply("r", 2, frame(), source="replay")
+    ingestor.apply("r", 2, frame())  # the live copy: a duplicate
+    ingestor.apply("r", 3, b"\x00 not msgpack")  # malformed, keeps its place
+    ingestor.purge("r")
+    now[0] += 2.5
+    state = ingestor.stream_state("r", 8)
+    assert state is not None and state["last_frame_age_s"] == 2.5 and state["generation"] == ingestor.generation("r")
+    assert state["counts"] == {"frames_applied": 3, "replayed": 2, "gaps": 1, "duplicates": 1, "stale": 0,
+                               "malformed": 1, "orphans": 1, "purges": 1, "restarts": 0}
+    assert state["streams_total"] == 1 and state["streams"] == [{"dp_rank": None, "last_seq": None, "gap": None}]
+    ingestor.apply("r", 7, frame())
+    ingestor.apply("r", 0, frame(), source="zmq")  # a step back on a live stream: the engine restarted
+    state = ingestor.stream_state("r", 8)
+    assert state["counts"]["restarts"] == 1 and state["streams"] == [{"dp_rank": None, "last_seq": 0, "gap": None}]
+    for rank in range(1, 12):
+        ingestor.apply("r", 0, frame(dp_rank=rank), dp_rank=rank)
+    state = ingestor.stream_state("r", 8)
+    assert state["streams_total"] == 12 and len(state["streams"]) == 8
