@@ -27,9 +27,14 @@ from tests.support import Gateway, start_kvgate
 SMALL_CACHE_BLOCKS = 512
 """Each replica's KV cache, in 32-token blocks (16,384 tokens): small enough for a test to force evictions."""
 KVGATE_READY_S = 60.0
-AGENT_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+AGENT_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic", "--enable-scale-out",
+              "--trust-request-chat-template"]
 """What agents' requests need of a vLLM server: tools with ``tool_choice: auto`` (Claude Code's, Codex's) are refused
-without a tool parser; pythonic needs no special tokens in the tiny model's vocabulary."""
+without a tool parser; pythonic needs no special tokens in the tiny model's vocabulary. And what checking kvgate's
+rendering against the engine's needs: ``--enable-scale-out`` serves ``/v1/chat/completions/render`` (the prompt ids
+the engine would run, by the chat path's own code; without it the route answers 403, and no other route changes),
+``--trust-request-chat-template`` lets such a request bring its own template (refused with 400 otherwise; no other
+test sends one)."""
 AGENT_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 """Stored responses (``previous_response_id``), off in vLLM by default."""
 
@@ -44,7 +49,9 @@ def engine_runtime() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
-def replicas(engine_runtime: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmReplica]]:
+def replicas(
+    engine_runtime: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[VllmReplica]]:
     python, model = engine_runtime
     log_dir = tmp_path_factory.mktemp("engines")
     group = make_replicas(2, free_ports(2), free_ports(4), log_dir, python=python, model=model,
