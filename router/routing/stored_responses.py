@@ -43,8 +43,8 @@ class ResponseIds:
     def valid(self, response_id: str, tenant: str | None) -> bool:
         """Whether ``tenant`` (None without tenants) may name ``response_id``: one kvgate made for it."""
         body = response_id[len(ID_PREFIX):] if response_id.startswith(ID_PREFIX) else ""
-        if len(body) != 2 * (NONCE_BYTES + MAC_BYTES):
-            return False
+        if len(body) != 2 * (NONCE_BYTES + MAC_BYTES) or not body.isascii():
+            return False  # hmac.compare_digest raises TypeError on a str with non-ASCII characters (a 500)
         nonce, mac = body[: 2 * NONCE_BYTES], body[2 * NONCE_BYTES:]
         return hmac.compare_digest(mac, self._mac(nonce, tenant))
 
