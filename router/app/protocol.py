@@ -21,9 +21,9 @@ class in place of a name) overrides only its public callbacks, and:
 - closes a connection whose body has not arrived in full within ``body_timeout_s`` of its headers (plus
   :data:`BODY_GRACE_S`, so the app's own 408 for the same deadline goes out first); the deadline is fixed when the
   headers arrive, so no trickle moves it;
-- after an answer sent before the body arrived in full, stops reading the request: the write side is shut and the
-  connection closed after :data:`LINGER_S` (nginx's lingering close: a client still sending gets the answer instead
-  of a reset), whatever the client sends meanwhile;
+- after an answer sent before the body arrived in full (which says ``connection: close``), stops reading the request:
+  the write side is shut and the connection closed after :data:`LINGER_S` (nginx's lingering close: a client still
+  sending gets the answer instead of a reset), whatever the client sends meanwhile;
 - answers the parser's own errors (a malformed request) in OpenAI's error shape with a JSON content type, like every
   other kvgate error, instead of uvicorn's plain text.
 
@@ -125,8 +125,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_headers = False
         self._arm(self.body_timeout_s + BODY_GRACE_S, self._body_timed_out)
+        previous = self.cycle
         super().on_headers_complete()
         self._body_pending = self.cycle
+        if self.cycle is not None and self.cycle is not previous:
+            self._announce_close_of_early_answers(self.cycle)
 
     def on_message_complete(self) -> None:
         self._body_pending = None
@@ -143,6 +146,25 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._linger()
 
     # internals
+
+    def _announce_close_of_early_answers(self, cycle: Any) -> None:
+        """An answer that starts before its request's body arrived in full says ``connection: close``: the
+        connection lingers and closes after it (:meth:`on_response_complete`), and a client told nothing reuses it
+        for its next request, which the close then cuts off (httpx: "Server disconnected without sending a
+        response"). uvicorn's own close when the answer ends is held back for the linger's: closing with the body
+        unread would reset the connection, and the answer with it. The cycle's task has not started yet, so the app
+        is passed this ``send``."""
+        send = cycle.send
+
+        async def announcing(message: Any) -> None:
+            if self._body_pending is cycle:
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+                elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                    cycle.keep_alive = True
+            await send(message)
+
+        cycle.send = announcing
 
     def _feed(self, data: bytes) -> bool:
         """Hand ``data`` to the parser; False when the connection was refused for what it held."""
