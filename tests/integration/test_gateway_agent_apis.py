@@ -136,6 +136,41 @@ def test_a_bad_messages_body_gets_anthropics_error_shape_and_no_replica_sees_it(
     assert refused.value.body["type"] == "error"
 
 
+def test_a_bad_count_tokens_body_gets_anthropics_error_shape_and_no_replica_sees_it(gw: Gateway, sim: Sim) -> None:
+    """count_tokens answers through its own flow (not the generation one): its refusals must be Anthropic's too."""
+    request_id = f"bad-count-{uuid.uuid4()}"
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude(gw).messages.count_tokens(model=MODEL, extra_headers={"X-Request-Id": request_id},
+                                         messages=[{"role": "bogus", "content": "hi"}])  # type: ignore[list-item]
+    assert caught.value.body["type"] == "error"
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    raw = httpx.post(gw.url + "/v1/messages/count_tokens", content=b'{"model": "kvgate-sim", "messages": 7}',
+                     headers={"x-api-key": "sk-alice", "content-type": "application/json"}, timeout=5)
+    assert raw.status_code == 400
+    body = raw.json()
+    assert set(body) == {"type", "error"} and set(body["error"]) == {"type", "message"}
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+    assert not sim_saw(sim, request_id)
+
+
+def test_a_bad_responses_body_gets_openais_error_shape_and_no_replica_sees_it(gw: Gateway, sim: Sim) -> None:
+    """Codex and the Agents SDK read OpenAI's shape: message, type, param (the field at fault) and code."""
+    request_id = f"bad-responses-{uuid.uuid4()}"
+    with pytest.raises(openai.BadRequestError) as caught:
+        codex(gw).responses.create(model=MODEL, input=[{"type": "nonsense"}],  # type: ignore[list-item]
+                                   max_output_tokens=4, extra_headers={"X-Request-Id": request_id})
+    error = caught.value.body
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}  # the SDK unwraps "error"
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] is not None and error["param"].startswith("input")
+    raw = httpx.post(gw.url + "/v1/responses", content=b'{"model": "kvgate-sim", "input": 7}',
+                     headers={"Authorization": "Bearer sk-alice", "content-type": "application/json"}, timeout=5)
+    assert raw.status_code == 400 and set(raw.json()) == {"error"}, raw.text
+    assert set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    assert raw.json()["error"]["type"] == "invalid_request_error" and raw.json()["error"]["param"] == "input"
+    assert not sim_saw(sim, request_id)
+
+
 def test_a_stored_response_is_followed_on_its_replica_and_private_to_its_tenant(gw: Gateway) -> None:
     client = codex(gw)
     raw = client.responses.with_raw_response.create(model=MODEL, input=unique(), store=True,
