@@ -1,11 +1,13 @@
 """Online calibration of the prefill cost model from what the router observes.
 
-Every completed request tells the router its prompt and cached token counts, its time to first token, and the work
-the cost model counted ahead of it when it was dispatched (its queue delay before ``queue_scale``). ``ttft`` is then
-one noisy sample of ``queue_scale · work ahead + prefill_ms(uncached tokens)``; a robust linear fit over a bounded
-window of such samples refines ``fixed_ms``, ``per_token_ms`` and ``queue_scale`` from the policy file's values. A
-queue term that predicts nothing (an engine that batches what the model counts as queued) fits a scale near 0, and
-the policy stops leaning on it.
+Every completed request tells the router its prompt and cached token counts, its time to first token from its dispatch
+(the gateway's own queue is not the engine's), and the work the cost model counted ahead of it when it was dispatched
+(its queue delay before ``queue_scale``). ``ttft`` is then one noisy sample of ``queue_scale · work ahead +
+prefill_ms(uncached tokens)``; a robust linear fit over a bounded window of such samples refines ``fixed_ms``,
+``per_token_ms`` and ``queue_scale`` from the policy file's values. A queue term that predicts nothing (an engine that
+batches what the model counts as queued) fits a scale near 0, and the policy stops leaning on it. An answer read whole
+shows no first token, only a bound on it (its whole time), which counts where the fit predicts more than that
+(:meth:`Calibrator.observe_bound`).
 """
 
 from __future__ import annotations
@@ -72,10 +74,40 @@ class Calibrator:
         self._clamped = False
 
     def observe(self, prompt_tokens: int, cached_tokens: int, ttft_ms: float, work_ahead_ms: float) -> bool:
-        """Add one completed request (``work_ahead_ms``: the cost model's queue delay at dispatch, before
-        ``queue_scale``); returns False (and counts it) when the numbers cannot be a valid sample."""
-        if not self.config.enabled:
+        """Add one completed request's first token (``ttft_ms`` from its dispatch; ``work_ahead_ms``: the cost
+        model's queue delay at dispatch, before ``queue_scale``); returns False (and counts it) when the numbers
+        cannot be a valid sample."""
+        sample = self._sample(prompt_tokens, cached_tokens, ttft_ms, work_ahead_ms)
+        if sample is None:
             return False
+        self._samples.append(sample)
+        self._dirty = True
+        return True
+
+    def observe_bound(self, prompt_tokens: int, cached_tokens: int, bound_ms: float, work_ahead_ms: float) -> bool:
+        """Add a completed request whose first token was not seen but came within ``bound_ms`` of its dispatch (an
+        answer read whole: its whole time). It is kept only when the current fit predicts more than the bound: the
+        prediction is then certainly too high, and the bound lies between it and the truth, so the fit moves toward
+        the truth. Otherwise it says nothing about the fit. Without this, traffic read whole would leave the policy
+        file's coefficients in force however fast the engine is, and admission would hold requests for a queue that
+        does not exist. Returns whether it was kept."""
+        sample = self._sample(prompt_tokens, cached_tokens, bound_ms, work_ahead_ms)
+        if sample is None:
+            return False
+        uncached, ahead, bound = sample
+        current = self._current
+        if bound >= current.fixed_ms + current.per_token_ms * uncached + current.queue_scale * ahead:
+            return False
+        self._samples.append(sample)
+        self._dirty = True
+        return True
+
+    def _sample(self, prompt_tokens: int, cached_tokens: int, ttft_ms: float,
+                work_ahead_ms: float) -> tuple[float, float, float] | None:
+        """``(uncached tokens, work ahead, ttft less the quadratic term)``, or None (counted as rejected) for numbers
+        that cannot be a sample."""
+        if not self.config.enabled:
+            return None
         valid = (
             prompt_tokens > 0
             and 0 <= cached_tokens <= prompt_tokens
@@ -86,12 +118,10 @@ class Calibrator:
         )
         if not valid:
             self._rejected += 1
-            return False
+            return None
         uncached = prompt_tokens - cached_tokens
         quadratic = self.base.quadratic_ms * (prompt_tokens**2 - cached_tokens**2) / 1e6
-        self._samples.append((float(uncached), work_ahead_ms, ttft_ms - quadratic))
-        self._dirty = True
-        return True
+        return float(uncached), work_ahead_ms, ttft_ms - quadratic
 
     def current(self) -> PrefillCost:
         """The coefficients to use now (the policy file's until ``min_samples`` observations).

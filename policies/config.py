@@ -25,8 +25,8 @@ class PrefillCost(Section):
     """Expected per-output-token cost on a busy replica; used to convert running sequences into queue delay."""
     queue_scale: float = Field(1.0, ge=0)
     """Multiplies the queue delay the model adds up from the work ahead of a request (the calibrator fits it from
-    measured first tokens: near 0 when that sum predicts nothing, e.g. an engine that batches what it counts as
-    queued)."""
+    measured first tokens and from answers read whole that came back sooner than predicted: near 0 when that sum
+    predicts nothing, e.g. an engine that batches what it counts as queued)."""
 
 
 class CostPolicyConfig(Section):
@@ -75,7 +75,9 @@ class PolicyConfig(Section):
 
 class CalibrationConfig(Section):
     enabled: bool = True
-    """Fit each model's fixed_ms, per_token_ms and queue_scale from measured first tokens (streamed answers)."""
+    """Fit each model's fixed_ms, per_token_ms and queue_scale from the engines' measured first tokens, timed from
+    dispatch (streamed answers), and from answers read whole where their whole time is less than the model predicted
+    for their first token (a bound, so it only ever lowers an over-prediction)."""
     window: int = Field(512, ge=16)
     """Observations kept for the robust fit."""
     min_samples: int = Field(32, ge=4)

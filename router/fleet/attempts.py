@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -57,6 +58,8 @@ class Upstream:
     """Non-streaming: the whole body. Streaming: the first chunk (already read, not yet sent)."""
     ticket: LoadTicket
     attempts: int
+    sent_at: float
+    """Monotonic time this attempt was sent: the engine's time on the request is counted from it."""
     first_byte_at: float
     """Monotonic time the first output (streaming: as the request's ``holds_output`` says) or the whole body
     (non-streaming) arrived."""
@@ -106,6 +109,7 @@ class Attempts:
             deadline_s = self.proxy.config.first_byte_timeout_s
             if fwd.deadlines_s is not None:
                 deadline_s = fwd.deadlines_s.get(name, deadline_s)
+            sent_at = time.monotonic()
             try:
                 response, body, first_byte_at = await self.proxy.attempt(replica.url + fwd.path, fwd, deadline_s)
             except AttemptFailed as failed:
@@ -123,7 +127,7 @@ class Attempts:
             if response.status < 400:
                 for failed_ticket in unblamed:
                     failed_ticket.blame()
-            return Upstream(name, response, body, ticket, attempts, first_byte_at)
+            return Upstream(name, response, body, ticket, attempts, sent_at, first_byte_at)
         if last is None:
             raise AttemptFailed("no_replica", "no routable replica")
         raise last

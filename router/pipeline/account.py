@@ -150,8 +150,8 @@ class Accounting:
                 self.predictions.refuted(routed, up.replica, cached)
         if stream:
             m.ttft.labels(hit).observe(ttft_ms / 1000.0)
-            if end == "ok" and up.status == 200:
-                calibrate(routed, up.replica, ttft_ms, usage)
+        if end == "ok" and up.status == 200:
+            calibrate(routed, up, usage, first_token=stream)
         priced = routed.decision.ttft_ms
         predicted_ttft = priced.get(up.replica) if priced is not None else None
         self.request_log.request(
@@ -180,11 +180,14 @@ def parity_sample(routed: Routed, api: Api, replica: str, usage: Usage) -> Sampl
     )
 
 
-def calibrate(routed: Routed, replica: str, ttft_ms: float, usage: Usage | None) -> None:
-    """A measured first token as a sample for the model's calibrator (bounded, robust fit): the engine's own token
-    counts, or the router's when they are exact. Handoffs (transfers, disaggregated requests) are not prefill samples:
-    their TTFT is a first leg plus a KV pull, and engines do not report pulled tokens as cached, so they would read as
-    a whole prompt prefilled implausibly fast."""
+def calibrate(routed: Routed, up: Upstream, usage: Usage | None, *, first_token: bool) -> None:
+    """An answer as a sample for the model's calibrator (bounded, robust fit), timed from its dispatch to the
+    replica (the gateway's own queue and tokenizing are not the engine's time): a streamed answer's first token
+    (``first_token``), or an answer read whole as a bound on its first token. The engine's own token counts, or the
+    router's when they are exact. Handoffs (transfers, disaggregated requests) are not prefill samples: their TTFT is
+    a first leg plus a KV pull, and engines do not report pulled tokens as cached, so they would read as a whole
+    prompt prefilled implausibly fast."""
+    replica = up.replica
     routing = routed.routing
     calibrator = routing.calibrator if routing is not None else None
     if routing is None or calibrator is None or routed.decision.action != "route":
@@ -197,4 +200,8 @@ def calibrate(routed: Routed, replica: str, ttft_ms: float, usage: Usage | None)
         return
     view = routed.views.get(replica)
     work_ahead_ms = routing.cost_model.work_ahead_ms(view) if view is not None else 0.0
-    calibrator.observe(prompt_tokens, cached_tokens, ttft_ms, work_ahead_ms)
+    engine_ms = (up.first_byte_at - up.sent_at) * 1000.0
+    if first_token:
+        calibrator.observe(prompt_tokens, cached_tokens, engine_ms, work_ahead_ms)
+    else:
+        calibrator.observe_bound(prompt_tokens, cached_tokens, engine_ms, work_ahead_ms)

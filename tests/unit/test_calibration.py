@@ -129,3 +129,32 @@ def test_the_queue_scale_stays_between_zero_and_max_change_and_is_kept_without_s
         flat.observe(prompt, 0, ttft + 0.2 * 5.0, 5.0)  # the same work ahead every time: the scale cannot be told
     assert over.current().queue_scale == pytest.approx(1.5) and over.state().clamped
     assert flat.current().queue_scale == BASE.queue_scale
+
+
+def test_answers_read_whole_bring_an_overpredicted_queue_down_and_never_below_their_first_tokens() -> None:
+    """Against an engine that never queues, the file's queue scale predicts hundreds of ms for work ahead that costs
+    nothing. Answers read whole (their whole time a bound on the first token, here first token + 80 ms of decode) must
+    bring the prediction down to what they bound, and no further: a bound says "at most", never "this much"."""
+    rng = random.Random(13)
+    cal = Calibrator(CalibrationConfig(), BASE)
+    decode_ms = 80.0
+    for _ in range(600):
+        prompt = rng.randint(200, 8000)
+        ahead = rng.uniform(0, 400)
+        first_token = TRUE_FIXED + TRUE_PER_TOKEN * prompt
+        cal.observe_bound(prompt, 0, first_token + decode_ms + rng.gauss(0, 3), ahead)
+        cal.current()  # the gateway refits on a timer; here after every answer
+    fitted = cal.current()
+    assert fitted.queue_scale < 0.1  # from 1.0: the work ahead costs this engine nothing
+    for prompt, ahead in ((500, 0.0), (4000, 200.0), (8000, 400.0)):
+        predicted = fitted.fixed_ms + fitted.per_token_ms * prompt + fitted.queue_scale * ahead
+        assert predicted >= TRUE_FIXED + TRUE_PER_TOKEN * prompt - 10.0  # not below the truth (beyond noise)
+
+
+def test_a_bound_above_the_prediction_is_not_a_sample() -> None:
+    cal = Calibrator(CalibrationConfig(), BASE)
+    predicted = BASE.fixed_ms + BASE.per_token_ms * 1000 + BASE.queue_scale * 50.0
+    assert not cal.observe_bound(1000, 0, predicted + 1.0, 50.0)
+    assert cal.observe_bound(1000, 0, predicted - 1.0, 50.0)
+    assert not cal.observe_bound(1000, 2000, 1.0, 50.0)  # malformed: counted as rejected
+    assert cal.state().samples == 1 and cal.state().rejected == 1

@@ -50,7 +50,7 @@ def test_prefill_leg_is_read_whole() -> None:
 
 
 def upstream(status: int, first: bytes) -> Upstream:
-    return Upstream("d0", SimpleNamespace(status=status), first, SimpleNamespace(), 1, 0.0)  # type: ignore[arg-type]
+    return Upstream("d0", SimpleNamespace(status=status), first, SimpleNamespace(), 1, 0.0, 0.0)  # type: ignore[arg-type]
 
 
 def test_a_stream_opening_with_an_error_event_is_a_failed_decode_leg() -> None:
