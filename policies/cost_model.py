@@ -8,6 +8,7 @@ request. The prefill coefficients are the policy file's (per model) and are swap
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -15,6 +16,7 @@ from kvgate.policies.base import ReplicaView, RouteRequest
 from kvgate.policies.config import PolicyConfig, PrefillCost, TransferConfig
 
 GIB = 1024**3
+EULER_GAMMA = 0.5772156649015329
 
 
 @dataclass(slots=True)
@@ -183,6 +185,37 @@ class CostModel:
             delay += max(running, 0) * p.decode_ms_per_token
         return delay
 
+    def kv_wait_ms(self, view: ReplicaView, need_tokens: int) -> float:
+        """How long a request that needs ``need_tokens`` of free KV (its uncached prompt and its output) waits on
+        ``view``'s replica for blocks, before any prefill: an engine starts a waiting request only once its blocks
+        fit (vLLM's scheduler stops at the first waiting request it cannot allocate; the simulated fleet reserves
+        prompt and output at admission), and the requests waiting there go first.
+
+        Free KV is the scraped share not in use (cached blocks nothing references are evictable, so free). What is
+        missing frees as running sequences finish: with ``R`` running and ``λ`` finishing a second (the replica's
+        arrival rate, equal in a steady state), each holds about ``usage·capacity / R`` and stays ``R/λ`` on
+        average, so the ``k`` finishes that free enough take ``(R/λ)·(H(R) − H(R−k))`` (exponential residences; H
+        the harmonic numbers). At most all ``R``: a request bigger than what they hold waits for all of them.
+
+        0 when it fits, or when the engine does not report its KV usage, capacity or running count (nothing to go
+        on: the queue term still counts the work ahead). The queued requests' need is their mean prefill (the
+        router's own prefilling mean, else ``default_prompt_tokens``).
+        """
+        usage, capacity, running = view.kv_usage, view.kv_capacity_tokens, view.scraped_running
+        rate_per_s = view.arrival_rate_per_s
+        if usage is None or not capacity or not running or rate_per_s <= 0:
+            return 0.0
+        usage = min(max(usage, 0.0), 1.0)
+        waiting = view.scraped_waiting or 0
+        mean_tokens = (view.in_flight_prefill_tokens / view.in_flight_prefilling if view.in_flight_prefilling
+                       else self.default_prompt_tokens)
+        deficit = waiting * mean_tokens + need_tokens - capacity * (1.0 - usage)
+        if deficit <= 0:
+            return 0.0
+        held_per_sequence = usage * capacity / running
+        finishes = running if held_per_sequence <= 0 else min(running, math.ceil(deficit / held_per_sequence))
+        return 1000.0 * running / rate_per_s * (harmonic(running) - harmonic(running - finishes))
+
     @staticmethod
     def decoding(view: ReplicaView) -> int:
         """Sequences decoding on ``view``'s replica: the engine's scraped running requests (the router's own still
@@ -222,7 +255,8 @@ class CostModel:
         Cached tokens are credited per tier: GPU and predicted tokens (a just-routed prompt, about to be on the
         GPU) are free, CPU / storage tokens cost their load time. At most ``prompt_tokens - 1`` are credited:
         the engine always computes the last prompt token. ``match_weight`` < 1 discounts matches computed from
-        approximate token ids. Callers that already computed the replica's queue delay may pass it in.
+        approximate token ids. Callers that already computed the replica's queue delay may pass it in; the wait
+        for KV this request's own size adds (:meth:`kv_wait_ms`) is added to it.
         """
         queue_ms = self.queue_delay_ms(view) if queue_delay_ms is None else queue_delay_ms
         match = view.match
@@ -235,6 +269,8 @@ class CostModel:
             storage = min(int(match.storage * match_weight), room - gpu - cpu)
             load_ms = self._load_ms(cpu, storage)
         cached = gpu + cpu + storage
+        queue_ms += self.prefill.queue_scale * self.kv_wait_ms(view, need_tokens(request.prompt_tokens - cached,
+                                                                                  request.max_tokens))
         prefill = self.prefill_ms(request.prompt_tokens - cached, context=cached)
         return Estimate(
             queue_delay_ms=queue_ms,
@@ -316,3 +352,17 @@ class CostModel:
             dest_step_ms=dest_step,
             ms=src_queue + source_prefill + wire + dst_queue + dest_step,
         )
+
+
+def need_tokens(uncached_tokens: int, max_tokens: int | None) -> int:
+    """The KV a request needs free to start (tokens): its uncached prompt and its output (``max_tokens``, 0 unset)."""
+    return max(uncached_tokens, 0) + (max_tokens or 0)
+
+
+def harmonic(n: int) -> float:
+    """``H(n) = 1 + 1/2 + … + 1/n`` (0 for n ≤ 0); past 16 terms its asymptotic expansion, within 1e-7."""
+    if n <= 0:
+        return 0.0
+    if n <= 16:
+        return sum(1.0 / i for i in range(1, n + 1))
+    return math.log(n) + EULER_GAMMA + 1.0 / (2 * n) - 1.0 / (12 * n * n)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from starlette.responses import Response
 
+from kvgate.policies.cost_model import need_tokens
 from kvgate.router.admission.gate import Ticket
 from kvgate.router.apis.base import Api, Usage
 from kvgate.router.core.errors import OPENAI_ERRORS, ApiError, ErrorShape
@@ -199,7 +200,11 @@ def calibrate(routed: Routed, up: Upstream, usage: Usage | None, *, first_token:
     else:
         return
     view = routed.views.get(replica)
-    work_ahead_ms = routing.cost_model.work_ahead_ms(view) if view is not None else 0.0
+    work_ahead_ms = 0.0
+    if view is not None:
+        model = routing.cost_model
+        need = need_tokens(prompt_tokens - cached_tokens, routed.request.max_tokens)
+        work_ahead_ms = model.work_ahead_ms(view) + model.kv_wait_ms(view, need)
     engine_ms = (up.first_byte_at - up.sent_at) * 1000.0
     if first_token:
         calibrator.observe(prompt_tokens, cached_tokens, engine_ms, work_ahead_ms)

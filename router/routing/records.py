@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgate.policies.base import Decision, ReplicaView, RouteRequest
+from kvgate.policies.cost_model import need_tokens
 from kvgate.router.prompts.tokenizer import TokenizedPrompt
 from kvgate.router.routing.model_state import ModelRouting
 
@@ -72,8 +73,14 @@ class Routed:
         return max(0, self.request.prompt_tokens - self.matched_tokens(replica))
 
     def queue_delay_ms(self, replica: str) -> float:
+        """The cost model's wait before this request's prefill on ``replica``: the work ahead there and, on a full
+        cache, the wait for KV of this request's size (:meth:`~kvgate.policies.cost_model.CostModel.kv_wait_ms`)."""
         view = self.views.get(replica)
-        return self.routing.cost_model.queue_delay_ms(view) if view is not None and self.routing is not None else 0.0
+        if view is None or self.routing is None:
+            return 0.0
+        model = self.routing.cost_model
+        kv_wait = model.kv_wait_ms(view, need_tokens(self.prefill_tokens(replica), self.request.max_tokens))
+        return model.queue_delay_ms(view) + model.prefill.queue_scale * kv_wait
 
     def predicted_ttft_ms(self, replica: str) -> float | None:
         """The cost model's TTFT for this request on ``replica`` (queue delay included), as the fleet looked when

@@ -145,3 +145,47 @@ def test_transfer_only_when_configured_healthy_and_long_enough() -> None:
     # Only what the destination lacks crosses the link.
     partial = model().transfer_estimate(r, warm, view("idle", gpu=30_000))
     assert partial is not None and partial.tokens == 10_016 and partial.saved_tokens == 10_000
+
+
+def test_a_request_that_fits_the_free_kv_does_not_wait_for_it() -> None:
+    full = view(kv_usage=0.5, kv_capacity_tokens=24_000, scraped_running=4, scraped_waiting=0, arrival_rate_per_s=2.0)
+    assert model().kv_wait_ms(full, 10_000) == 0.0
+    unknown = view(kv_usage=None, kv_capacity_tokens=24_000, scraped_running=4, arrival_rate_per_s=2.0)
+    assert model().kv_wait_ms(unknown, 100_000) == 0.0  # nothing to go on
+
+
+def test_a_request_bigger_than_the_free_kv_waits_for_running_sequences_to_finish() -> None:
+    """Four sequences hold 20,000 of 24,000 tokens (5,000 each) and finish 2 a second (2 s each on average): 6,000
+    tokens need one of them to finish (0.5 s: the first of four), 16,000 three (0.5 + 0.67 + 1 s), and anything
+    beyond what they hold, all four."""
+    cost = model()
+    full = view(kv_usage=20_000 / 24_000, kv_capacity_tokens=24_000, scraped_running=4, scraped_waiting=0,
+                arrival_rate_per_s=2.0)
+    assert cost.kv_wait_ms(full, 6_000) == pytest.approx(500.0)
+    assert cost.kv_wait_ms(full, 16_000) == pytest.approx(2000.0 * (1 / 4 + 1 / 3 + 1 / 2))
+    assert cost.kv_wait_ms(full, 60_000) == pytest.approx(2000.0 * (1 / 4 + 1 / 3 + 1 / 2 + 1))
+    queued = view(kv_usage=20_000 / 24_000, kv_capacity_tokens=24_000, scraped_running=4, scraped_waiting=1,
+                  arrival_rate_per_s=2.0, in_flight_prefilling=1, in_flight_prefill_tokens=6_000)
+    assert cost.kv_wait_ms(queued, 10_000) == pytest.approx(cost.kv_wait_ms(full, 16_000))  # the waiting one first
+
+
+def test_the_estimate_prices_the_wait_for_kv_in_its_queue_delay() -> None:
+    cost = model()
+    full = view(kv_usage=20_000 / 24_000, kv_capacity_tokens=24_000, scraped_running=4, scraped_waiting=0,
+                arrival_rate_per_s=2.0)
+    roomy = view("b", kv_usage=0.1, kv_capacity_tokens=24_000, scraped_running=4, scraped_waiting=0,
+                 arrival_rate_per_s=2.0)
+    big = RouteRequest("r", "m", 8_000, 16, max_tokens=200)
+    assert cost.estimate(big, full).queue_delay_ms == pytest.approx(
+        cost.queue_delay_ms(full) + cost.kv_wait_ms(full, 8_200))
+    assert cost.estimate(big, full).ttft_ms > cost.estimate(big, roomy).ttft_ms + 400.0
+    assert cost.estimate(request(1_000), full).queue_delay_ms == cost.queue_delay_ms(full)  # it fits
+
+
+def test_harmonic_numbers() -> None:
+    from kvgate.policies.cost_model import harmonic
+    exact = 0.0
+    for n in range(1, 400):
+        exact += 1.0 / n
+        assert harmonic(n) == pytest.approx(exact, abs=1e-7)
+    assert harmonic(0) == 0.0
