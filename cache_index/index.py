@@ -95,9 +95,8 @@ class PrefixIndex:
         """Bits of every live slot (3 per slot): holders' bits outside it belong to retired slots."""
         self._live_gpu = 0
         """The GPU bit of every live slot: the pattern lookups read tier masks through."""
-        self._slot_entries: dict[int, int] = {}
         self._tier_entries: dict[int, list[int]] = {}
-        """Per slot, its holdings in each tier (``_slot_entries`` is their sum)."""
+        """Per slot, its holdings in each tier."""
         self._lru: dict[int, dict[int, None]] = {}
         """Per slot, its GPU holdings, least recently stored or dispatched first."""
         self._replicas: dict[str, ReplicaHoldings] = {}
@@ -118,7 +117,6 @@ class PrefixIndex:
                 self._next_slot += 1
             self._slots[replica] = slot
             self._names[slot] = replica
-            self._slot_entries[slot] = 0
             self._tier_entries[slot] = [0] * _TIERS
             self._live |= _SLOT_BITS << (slot * _TIERS)
             self._live_gpu |= 1 << (slot * _TIERS)
@@ -163,7 +161,6 @@ class PrefixIndex:
                 added += 1
             holders[key] = mask | bit
         self._entries += added
-        self._slot_entries[slot] += added
         self._tier_entries[slot][tier] += added
         if tier is Tier.GPU:
             self._refresh(slot, keys, stored=True)
@@ -198,7 +195,6 @@ class PrefixIndex:
                 else:
                     del holders[key]
         self._entries -= removed
-        self._slot_entries[slot] -= removed
         self._tier_entries[slot][tier] -= removed
 
     def evicted(self, replica: str) -> None:
@@ -265,7 +261,7 @@ class PrefixIndex:
     def held_blocks(self, replica: str) -> int:
         """Blocks ``replica`` holds, confirmed by its events, all tiers counted (0 for a replica never seen)."""
         slot = self._slots.get(replica)
-        return 0 if slot is None else self._slot_entries[slot]
+        return 0 if slot is None else sum(self._tier_entries[slot])
 
     def holdings(self, replica: str) -> dict[str, int]:
         """How much ``replica`` holds, counted: confirmed blocks per tier, and blocks predicted there (just routed)
@@ -293,8 +289,7 @@ class PrefixIndex:
         if slot is None:
             return 0
         del self._names[slot]
-        removed = self._slot_entries.pop(slot)
-        del self._tier_entries[slot]
+        removed = sum(self._tier_entries.pop(slot))
         self._lru.pop(slot, None)
         self._entries -= removed
         self._live &= ~(_SLOT_BITS << (slot * _TIERS))
@@ -362,7 +357,6 @@ class PrefixIndex:
                 while live:
                     low = live & -live
                     bit = low.bit_length() - 1
-                    self._slot_entries[bit // _TIERS] -= 1
                     self._tier_entries[bit // _TIERS][bit % _TIERS] -= 1
                     if bit % _TIERS == Tier.GPU:
                         lru = self._lru.get(bit // _TIERS)

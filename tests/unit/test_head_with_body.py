@@ -25,12 +25,18 @@ class Transport:
         return self.closed
 
 
-def test_the_head_waits_for_the_first_body_bytes_and_goes_with_them() -> None:
-    transport = Transport()
+def holding(transport: Transport, head: bytes) -> HeadWithBody:
+    """``transport`` behind a :class:`HeadWithBody` to which uvicorn has written ``head`` for a response's start."""
     out = HeadWithBody(transport)  # type: ignore[arg-type]
     out.holding = True
-    out.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    out.write(head)
     out.holding = False
+    return out
+
+
+def test_the_head_waits_for_the_first_body_bytes_and_goes_with_them() -> None:
+    transport = Transport()
+    out = holding(transport, b"HTTP/1.1 200 OK\r\n\r\n")
     assert transport.calls == []
     out.write(b"first")
     out.write(b"second")
@@ -39,18 +45,12 @@ def test_the_head_waits_for_the_first_body_bytes_and_goes_with_them() -> None:
 
 def test_a_head_with_no_body_goes_on_flush_or_close() -> None:
     transport = Transport()
-    out = HeadWithBody(transport)  # type: ignore[arg-type]
-    out.holding = True
-    out.write(b"HTTP/1.1 204 No Content\r\n\r\n")
-    out.holding = False
+    out = holding(transport, b"HTTP/1.1 204 No Content\r\n\r\n")
     out.flush()
     out.flush()
     assert transport.calls == [("writelines", b"HTTP/1.1 204 No Content\r\n\r\n")]
 
     closing = Transport()
-    out = HeadWithBody(closing)  # type: ignore[arg-type]
-    out.holding = True
-    out.write(b"HTTP/1.1 500 Internal Server Error\r\n\r\n")
-    out.holding = False
+    out = holding(closing, b"HTTP/1.1 500 Internal Server Error\r\n\r\n")
     out.close()
     assert closing.calls == [("writelines", b"HTTP/1.1 500 Internal Server Error\r\n\r\n")] and closing.is_closing()
