@@ -3,7 +3,7 @@
 the one way a reload reaches a component: each is handed its own sections).
 
 The endpoint flows (:mod:`kvgate.router.endpoints`) are composed from these components by the app
-(:mod:`kvgate.router.app.asgi`); nothing here handles a request.
+(:mod:`kvgate.router.app.gateway_app`); nothing here handles a request.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ from kvgate.router.routing.transfers import TransferRunner
 from kvgate.router.routing.views import ReplicaViews
 from kvgate.router.settings.holder import ConfigHolder
 from kvgate.router.settings.schema import KvgateConfig
-from kvgate.router.upstream.proxy import Proxy, create_session
+from kvgate.router.upstream.client import EngineClient
+from kvgate.router.upstream.proxy import Proxy
 from kvgate.router.upstream.tokenize import EngineTokenizer
 
 if TYPE_CHECKING:
@@ -131,9 +132,9 @@ class Gateway:
         """The tracing section read at startup (a reload does not change it)."""
         self.tracer = start_tracing(config.tracing, self._replica_at)
         """None when the gateway does not trace (the stages then find no trace on a request)."""
-        self.session = create_session(config.proxy)
-        self.proxy = Proxy(self.session, config.proxy)
-        self.fleet = Fleet(config.replicas, self.session, health=config.health, scrape=config.scrape,
+        self.engines = EngineClient(config.proxy.pool_size_per_replica)
+        self.proxy = Proxy(self.engines, config.proxy)
+        self.fleet = Fleet(config.replicas, self.engines, health=config.health, scrape=config.scrape,
                            breaker=config.breaker)
         self.attempts = Attempts(self.proxy, self.fleet, self.metrics, rng)
         self.discovery = Discovery(config.discovery, config.replicas, self.fleet)
@@ -142,7 +143,7 @@ class Gateway:
         self.ingestor = EventIngestor(self.index)
         self.subscriptions = SubscriptionManager(self.ingestor, replay_timeout_s=config.index.replay_timeout_s)
         self.block_sizes = BlockSizes(self.ingestor.block_size, self._scraped_block_size)
-        self.engine_tokenizer = EngineTokenizer(self.session, self.fleet.routable, config.proxy.first_byte_timeout_s)
+        self.engine_tokenizer = EngineTokenizer(self.engines, self.fleet.routable, config.proxy.first_byte_timeout_s)
         self.tokenizer = PromptTokenizer(config.models, engine_tokenize=self.engine_tokenizer, limits=config.limits)
         self.tenants = TenantResolver(config.tenants)
         self.models = ModelStates(self.catalog, routing_settings(config), rng)
@@ -159,7 +160,7 @@ class Gateway:
         warming = config.peers.enabled and config.peers.warm_start_timeout_s > 0
         self.feed = IndexFeed(self.catalog, self.fleet, self.ingestor, self.subscriptions, self.block_sizes,
                               self.spawn, held=warming)
-        self.warm_start = WarmStart(self.session, config.peers, peer_token(config.server), self.instance, self.fleet,
+        self.warm_start = WarmStart(self.engines, config.peers, peer_token(config.server), self.instance, self.fleet,
                                     self.ingestor, self.feed, config.discovery)
         self.parity = ParityMonitor(config.parity, self.metrics)
         self.stored_responses = StoredResponses(config.responses)
@@ -199,7 +200,7 @@ class Gateway:
         await asyncio.gather(*self._background, return_exceptions=True)
         self.admission.close()
         self.tokenizer.close()
-        await self.session.close()
+        await self.engines.close()
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)
 

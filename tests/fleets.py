@@ -5,16 +5,15 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import aiohttp
-
 from kvgate.router.fleet.state import Fleet
 from kvgate.router.settings.schema import KvgateConfig
+from kvgate.router.upstream.client import EngineClient
 
 
 def fleet_of(
-    config: KvgateConfig, session: aiohttp.ClientSession, clock: Callable[[], float] = time.monotonic
+    config: KvgateConfig, client: EngineClient, clock: Callable[[], float] = time.monotonic
 ) -> Fleet:
-    return Fleet(config.replicas, session, health=config.health, scrape=config.scrape, breaker=config.breaker,
+    return Fleet(config.replicas, client, health=config.health, scrape=config.scrape, breaker=config.breaker,
                  clock=clock)
 
 

@@ -1,2 +1,3 @@
-"""The process: ``kvgate serve`` (:mod:`.server`) running the ASGI app (:mod:`.asgi`) under uvicorn with kvgate's
-bounded HTTP protocol (:mod:`.protocol`), the admin endpoints (:mod:`.admin`) and ``kvgate demo`` (:mod:`.demo`)."""
+"""The process: ``kvgate serve`` (:mod:`.server`) serving the gateway's routes (:mod:`.gateway_app`,
+:mod:`.routes`) with kvgate's own HTTP protocol (:mod:`.protocol`) under uvicorn's server, the admin endpoints
+(:mod:`.admin`) and ``kvgate demo`` (:mod:`.demo`)."""

@@ -5,9 +5,9 @@ cannot see, :mod:`kvgate.router.fleet.blindness`).
 
 All of them need ``Authorization: Bearer <admin token>`` (``server.admin_token``, or env ``KVGATE_ADMIN_TOKEN``; see
 :mod:`kvgate.router.core.auth`); with no token configured the admin surface does not exist (404), so a forgotten setting
-never leaves it open. Bodies are read and validated here rather than by FastAPI's parameter binding, so the token is
-checked before anything about the body is revealed, within the same deadline as every body and
-:data:`MAX_ADMIN_BODY_BYTES`, and errors come back in OpenAI's shape like every other kvgate error.
+never leaves it open. The token is checked before anything about the body is revealed; a body is read within the same
+deadline as every body and :data:`MAX_ADMIN_BODY_BYTES`, and errors come back in OpenAI's shape like every other
+kvgate error.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
 from pydantic import ValidationError
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 
 from kvgate.cache_index.match import PrefixMatch
 from kvgate.router.admission.gate import NO_TENANT
+from kvgate.router.app.routes import Routes
 from kvgate.router.core.auth import Credentials
-from kvgate.router.core.errors import ApiError
+from kvgate.router.core.errors import ApiError, json_response
+from kvgate.router.core.http import HttpRequest
 from kvgate.router.fleet.config import ReplicaConfig
 from kvgate.router.fleet.replica import Replica
 from kvgate.router.fleet.state import Fleet
@@ -49,81 +50,89 @@ MAX_STATE_QUEUES = 32
 """Models and tenants listed with requests waiting at admission, the most waiting first."""
 
 
-def build_admin_router(
-    fleet: Fleet, holder: ConfigHolder, parity: ParityMonitor, state: Callable[[], dict[str, Any]]
-) -> APIRouter:
-    router = APIRouter(prefix="/admin")
+class Admin:
+    """The ``/admin`` endpoints (:meth:`add_routes`)."""
 
-    def authorize(request: Request) -> None:
+    def __init__(self, fleet: Fleet, holder: ConfigHolder, parity: ParityMonitor,
+                 state: Callable[[], dict[str, Any]]) -> None:
+        self.fleet = fleet
+        self.holder = holder
+        self.parity = parity
+        self.state = state
+
+    def add_routes(self, routes: Routes) -> None:
+        routes.add("GET", "/admin/replicas", self.list_replicas)
+        routes.add("POST", "/admin/replicas", self.add_replica)
+        routes.add("GET", "/admin/state", self.dump_state)
+        routes.add("POST", "/admin/replicas/{name}/{action}", self.drain_or_undrain)
+        routes.add("DELETE", "/admin/replicas/{name}", self.remove_replica)
+        routes.add("POST", "/admin/reload", self.reload_config)
+
+    def authorize(self, request: HttpRequest) -> None:
         """The token in force: the policy file's (reloadable), else the environment's."""
-        Credentials.of(holder.current.server).require_admin(request.headers.get("authorization"))
+        Credentials.of(self.holder.current.server).require_admin(request.header("authorization"))
 
-    def replica_or_404(name: str) -> Replica:
-        replica = fleet.replicas.get(name)
+    def replica_or_404(self, name: str) -> Replica:
+        replica = self.fleet.replicas.get(name)
         if replica is None:
             raise ApiError(404, f"No replica named {name!r}.", param="name", code="replica_not_found")
         return replica
 
-    @router.get("/replicas")
-    async def list_replicas(request: Request) -> JSONResponse:
-        authorize(request)
-        models = parity.state()
+    async def list_replicas(self, request: HttpRequest) -> Response:
+        self.authorize(request)
+        fleet = self.fleet
+        models = self.parity.state()
         data = []
         for replica in fleet.replicas.values():
             status = replica_status(fleet, replica)
             status["parity"] = {m: models[m]["trusted"] for m in status["models"] if m in models}
             data.append(status)
-        return JSONResponse({"object": "list", "data": data, "parity": models,
-                             "blind": fleet.blindness.state(fleet.clock())})
+        return json_response({"object": "list", "data": data, "parity": models,
+                              "blind": fleet.blindness.state(fleet.clock())})
 
-    @router.get("/state")
-    async def dump_state(request: Request) -> JSONResponse:
+    async def dump_state(self, request: HttpRequest) -> Response:
         """Everything behind the routing decisions, counted (:func:`state_dump`)."""
-        authorize(request)
-        return JSONResponse(state())
+        self.authorize(request)
+        return json_response(self.state())
 
-    @router.post("/replicas")
-    async def add_replica(request: Request) -> JSONResponse:
-        authorize(request)
-        raw = await read_body(request, MAX_ADMIN_BODY_BYTES, holder.current.server.body_timeout_s, None)
+    async def add_replica(self, request: HttpRequest) -> Response:
+        self.authorize(request)
+        raw = await read_body(request, MAX_ADMIN_BODY_BYTES, self.holder.current.server.body_timeout_s, None)
         try:
             cfg = ReplicaConfig.model_validate(parse_body(raw))
         except ValidationError as e:
             raise ApiError(422, format_validation_error(e), code="invalid_value") from e
         try:
-            replica = fleet.add(cfg)
+            replica = self.fleet.add(cfg)
         except ValueError as e:
             raise ApiError(409, str(e), param="name", code="replica_exists") from e
-        return JSONResponse(replica_status(fleet, replica), status_code=201)
+        return json_response(replica_status(self.fleet, replica), status=201)
 
-    @router.post("/replicas/{name}/{action}")
-    async def drain_or_undrain(name: str, action: str, request: Request) -> JSONResponse:
+    async def drain_or_undrain(self, request: HttpRequest) -> Response:
         """``drain``: no new requests go to the replica; ``undrain``: they may again."""
-        authorize(request)
+        self.authorize(request)
+        name, action = request.params["name"], request.params["action"]
         if action not in ("drain", "undrain"):
             raise ApiError(404, f"No admin action {action!r}.", code="not_found")
-        replica = replica_or_404(name)
-        (fleet.drain if action == "drain" else fleet.undrain)(name)
-        return JSONResponse(replica_status(fleet, replica))
+        replica = self.replica_or_404(name)
+        (self.fleet.drain if action == "drain" else self.fleet.undrain)(name)
+        return json_response(replica_status(self.fleet, replica))
 
-    @router.delete("/replicas/{name}")
-    async def remove_replica(name: str, request: Request) -> JSONResponse:
-        authorize(request)
-        replica_or_404(name)
-        await fleet.remove(name)
-        return JSONResponse({"name": name, "deleted": True})
+    async def remove_replica(self, request: HttpRequest) -> Response:
+        self.authorize(request)
+        name = request.params["name"]
+        self.replica_or_404(name)
+        await self.fleet.remove(name)
+        return json_response({"name": name, "deleted": True})
 
-    @router.post("/reload")
-    async def reload_config(request: Request) -> JSONResponse:
-        authorize(request)
+    async def reload_config(self, request: HttpRequest) -> Response:
+        self.authorize(request)
+        holder = self.holder
         if not holder.reload():
             raise ApiError(400, f"Config rejected, previous config stays in force: {holder.last_error}",
                            code="config_rejected")
-        return JSONResponse(
-            {"reloaded": True, "reloads_ok": holder.reloads_ok, "reloads_rejected": holder.reloads_rejected}
-        )
-
-    return router
+        return json_response({"reloaded": True, "reloads_ok": holder.reloads_ok,
+                              "reloads_rejected": holder.reloads_rejected})
 
 
 def replica_status(fleet: Fleet, replica: Replica) -> dict[str, Any]:

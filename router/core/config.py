@@ -42,7 +42,7 @@ class ServerConfig(Section):
     log_requests: bool = True
     """One JSON line per request at info level."""
     keep_alive_timeout_s: float = Field(5.0, gt=0)
-    """An idle client connection is closed this long after its last response (uvicorn's ``timeout_keep_alive``)."""
+    """An idle client connection is closed this long after its last response."""
     body_timeout_s: float = Field(30.0, gt=0)
     """A request body must arrive in full within this long, else 408: slow-body clients cannot hold a request."""
     header_timeout_s: float = Field(10.0, gt=0)

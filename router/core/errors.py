@@ -3,9 +3,9 @@
 Client mistakes (bad JSON, missing fields, unknown model, too large, bad key) raise :class:`ApiError` anywhere on the
 request path. The flow that knows the request's API answers it in that API's :class:`ErrorShape` (OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` by default, :data:`OPENAI_ERRORS`), so every client SDK shows
-kvgate's errors the way it shows its provider's. Framework errors (unknown route, wrong method, admin body
-validation) get OpenAI's shape, so no client ever sees a bare HTML or FastAPI-style error, and an unexpected bug is
-a 500 in the same shape rather than a dropped connection.
+kvgate's errors the way it shows its provider's. The server's own errors (unknown route, wrong method, malformed
+HTTP, admin body validation) get OpenAI's shape, so no client ever sees a bare HTML or plain-text error, and an
+unexpected bug is a 500 in the same shape rather than a dropped connection.
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 log = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder().encode
 
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -96,23 +94,15 @@ def _openai_stream_events(err: ApiError) -> bytes:
     return b"data: " + err.encoded() + b"\n\ndata: [DONE]\n\n"
 
 
-async def _api_error(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    return exc.response()
+def unexpected_error(exc: BaseException) -> Response:
+    """A bug on the request path: logged with its traceback, answered as an OpenAI-style 500."""
+    log.exception("unhandled error on the request path", exc_info=exc)
+    return ApiError(500, "internal error in kvgate", code="internal_error").response()
 
 
-async def _http_error(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    err = ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code))
-    return err.response(dict(exc.headers) if exc.headers else None)
-
-
-async def _validation_error(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-    return ApiError(422, message, param=".".join(loc) or None, code="invalid_value").response()
+def json_response(content: object, status: int = 200) -> Response:
+    """A JSON answer (msgspec's encoding: compact, and several times faster than the standard library's)."""
+    return Response(_encode(content), status_code=status, media_type="application/json")
 
 
 def as_json_error(status: int, body: bytes, content_type: str | None) -> tuple[bytes, str]:
@@ -128,19 +118,3 @@ def as_json_error(status: int, body: bytes, content_type: str | None) -> tuple[b
 OPENAI_ERRORS = ErrorShape(body=ApiError.encoded, stream_events=_openai_stream_events, from_engine=as_json_error)
 """OpenAI's error shape: chat completions, completions, Responses, embeddings, and kvgate's own endpoints."""
 
-
-def unexpected_error(exc: BaseException) -> Response:
-    """A bug on the request path: logged with its traceback, answered as an OpenAI-style 500."""
-    log.exception("unhandled error on the request path", exc_info=exc)
-    return ApiError(500, "internal error in kvgate", code="internal_error").response()
-
-
-async def _unexpected_error(_: Request, exc: Exception) -> Response:
-    return unexpected_error(exc)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(Exception, _unexpected_error)

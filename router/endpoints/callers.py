@@ -6,8 +6,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from starlette.datastructures import Headers
-
 from kvgate.router.core.auth import Credentials
 from kvgate.router.core.errors import ApiError
 from kvgate.router.core.tenants import TenantResolver
@@ -43,7 +41,7 @@ class Callers:
         """Which models ``tenant`` may use (``tenants.models``)."""
         return functools.partial(self.tenants.may_use, tenant)
 
-    def explain_caller(self, client: ClientHeaders, headers: Headers) -> tuple[str | None, bool]:
+    def explain_caller(self, client: ClientHeaders, tenant_header: str | None) -> tuple[str | None, bool]:
         """Whom explain answers: (tenant whose namespace is looked up, whether the caller sees everything).
 
         The admin token sees everything, in the namespace of the tenant named by ``X-Kvgate-Tenant`` (none: requests
@@ -51,6 +49,6 @@ class Callers:
         tenant's own namespace and without any figure that moves with other tenants' traffic
         (:func:`~kvgate.router.endpoints.explain.tenant_view`)."""
         if self.credentials.is_admin(client.authorization):
-            return headers.get("x-kvgate-tenant") or None, True
+            return tenant_header or None, True
         tenant = resolve_tenant(self.tenants, client.authorization)
         return tenant, tenant is None

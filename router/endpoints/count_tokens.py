@@ -5,11 +5,11 @@ for its cache."""
 
 from __future__ import annotations
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvgate.router.apis.anthropic import COUNT_TOKENS
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.http import HttpRequest, StreamedAnswer
 from kvgate.router.endpoints.proxied import ProxiedRequests
 from kvgate.router.pipeline.admit import Admission
 from kvgate.router.pipeline.route import RouteStage
@@ -22,9 +22,9 @@ class CountTokens:
         self.tokenize = tokenize
         self.route = route
 
-    async def __call__(self, request: Request) -> Response:
+    async def __call__(self, request: HttpRequest) -> Response | StreamedAnswer:
         api = COUNT_TOKENS
-        admission = Admission.of(request.scope)
+        admission = Admission.of(request)
         try:
             admitted = await self.proxied.admit(request, api, admission)
             prompt = await self.tokenize.tokenize(admitted.parsed, trace=admission.trace)

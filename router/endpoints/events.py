@@ -8,12 +8,11 @@ import asyncio
 import functools
 from typing import Any
 
-from starlette.datastructures import Headers
-from starlette.requests import Request
 
 from kvgate.cache_index.http_ingest import HttpIngestError, apply_http_frame, decode_http_frame
 from kvgate.cache_index.ingest import EventIngestor
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.http import HttpRequest
 from kvgate.router.endpoints.callers import Callers
 from kvgate.router.pipeline.bodies import read_body
 from kvgate.router.settings.holder import ConfigHolder
@@ -25,14 +24,13 @@ class EventIngest:
         self.callers = callers
         self.ingestor = ingestor
 
-    async def __call__(self, request: Request) -> dict[str, Any]:
-        headers = request.headers
-        self.callers.credentials.require_events(headers.get("authorization"))
+    async def __call__(self, request: HttpRequest) -> dict[str, Any]:
+        self.callers.credentials.require_events(request.header("authorization"))
         server = self.holder.current.server
         raw = await read_body(request, server.max_event_body_bytes, server.body_timeout_s, None)
         decode = functools.partial(
-            decode_http_frame, headers.get("x-kvgate-replica"), raw, headers.get("content-type"),
-            seq=_int_header(headers, "x-kvgate-seq"), dp_rank=_int_header(headers, "x-kvgate-dp-rank"),
+            decode_http_frame, request.header("x-kvgate-replica"), raw, request.header("content-type"),
+            seq=_int_header(request, "x-kvgate-seq"), dp_rank=_int_header(request, "x-kvgate-dp-rank"),
         )
         try:  # decoding is pure: off the loop, which applying (bounded below) is not
             frame = await asyncio.get_running_loop().run_in_executor(None, decode)
@@ -45,8 +43,8 @@ class EventIngest:
         return {"status": result.status.name.lower(), "events": result.events}
 
 
-def _int_header(headers: Headers, name: str) -> int | None:
-    value = headers.get(name)
+def _int_header(request: HttpRequest, name: str) -> int | None:
+    value = request.header(name)
     if value is None:
         return None
     try:

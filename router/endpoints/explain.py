@@ -8,7 +8,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from starlette.requests import Request
 
 from kvgate.policies.explain import explain_replicas
 from kvgate.router.apis.anthropic import MESSAGES
@@ -16,6 +15,7 @@ from kvgate.router.apis.base import Api
 from kvgate.router.apis.openai import CHAT, COMPLETIONS
 from kvgate.router.apis.responses import RESPONSES
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.http import HttpRequest
 from kvgate.router.endpoints.callers import Callers
 from kvgate.router.pipeline.admit import Admission, check_client_ids, read_within_limits
 from kvgate.router.pipeline.bodies import priority_of
@@ -44,15 +44,15 @@ class Explain:
         self.parity = parity
         self.queue = queue
 
-    async def __call__(self, request: Request) -> dict[str, Any]:
-        admission = Admission.of(request.scope)
-        admission.tenant, full = self.callers.explain_caller(admission.client, request.headers)
+    async def __call__(self, request: HttpRequest) -> dict[str, Any]:
+        admission = Admission.of(request)
+        admission.tenant, full = self.callers.explain_caller(admission.client, request.header("x-kvgate-tenant"))
         config = self.holder.current
         check_client_ids(admission.client, config.limits)
         raw = await read_within_limits(request, config.server, config.limits)
         may_use = (lambda model: True) if full else self.callers.may_use(admission.tenant)
         parsed = parse(raw, None, self.catalog, may_use)
-        parsed.api = api_of(request.query_params.get("api"), parsed.body)
+        parsed.api = api_of(request.query_param("api"), parsed.body)
         parsed.max_tokens = parsed.api.max_tokens(parsed.body)
         parsed.priority = priority_of(parsed.body.get("priority"), "priority")
         parsed = salt_for_tenant(parsed, self.callers.tenants, admission.tenant)

@@ -4,11 +4,11 @@ own error shape."""
 
 from __future__ import annotations
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvgate.router.apis.base import Api
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.http import HttpRequest, StreamedAnswer
 from kvgate.router.endpoints.proxied import ProxiedRequests
 from kvgate.router.admission.gate import Ticket
 from kvgate.router.pipeline.admit import Admission
@@ -24,8 +24,8 @@ class Generate:
         self.queue = queue
         self.route = route
 
-    async def __call__(self, request: Request, api: Api) -> Response:
-        admission = Admission.of(request.scope)
+    async def __call__(self, request: HttpRequest, api: Api) -> Response | StreamedAnswer:
+        admission = Admission.of(request)
         ticket: Ticket | None = None
         try:
             admitted = await self.proxied.admit(request, api, admission)

@@ -4,10 +4,10 @@ unchanged (multipart uploads included)."""
 
 from __future__ import annotations
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.http import HttpRequest, StreamedAnswer
 from kvgate.router.endpoints.proxied import ProxiedRequests
 from kvgate.router.pipeline.admit import Admission
 from kvgate.router.pipeline.route import RouteStage
@@ -21,8 +21,8 @@ class Passthrough:
         self.proxied = proxied
         self.route = route
 
-    async def __call__(self, request: Request, path: str) -> Response:
-        admission = Admission.of(request.scope)
+    async def __call__(self, request: HttpRequest, path: str) -> Response | StreamedAnswer:
+        admission = Admission.of(request)
         try:
             admitted = await self.proxied.admit_forwarded(request, admission, model_optional=path in MODEL_OPTIONAL)
             routed = self.route.route_least_loaded(admitted.parsed.model, admission)

@@ -8,13 +8,12 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Scope
 
 from kvgate.router.admission.gate import Ticket
 from kvgate.router.apis.base import Api
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.http import HttpRequest, StreamedAnswer
 from kvgate.router.core.tenants import TenantResolver
 from kvgate.router.endpoints.callers import Callers
 from kvgate.router.pipeline.account import Accounting, Answered
@@ -55,7 +54,7 @@ class ProxiedRequests:
         self.tracer = tracer
         """None when the gateway does not trace (:func:`kvgate.router.gateway.start_tracing`)."""
 
-    async def admit(self, request: Request, api: Api, admission: Admission) -> Admitted:
+    async def admit(self, request: HttpRequest, api: Api, admission: Admission) -> Admitted:
         """Admit and parse: the tenant from the API key, client ids within bounds, the body within the limits and
         parsed by ``api``, the tenant's cache salt set, and a session from the body when no header named one.
         Raises :class:`ApiError`."""
@@ -69,10 +68,10 @@ class ProxiedRequests:
             admission.trace.admitted(parsed, admission.tenant)
         return Admitted(admission, parsed, headers)
 
-    async def admit_forwarded(self, request: Request, admission: Admission, *, model_optional: bool) -> Admitted:
+    async def admit_forwarded(self, request: HttpRequest, admission: Admission, *, model_optional: bool) -> Admitted:
         """Admit a body forwarded as it is (embeddings, rerank, an audio upload): read only for its model, and sent
         with the client's own content type."""
-        content_type = request.headers.get("content-type")
+        content_type = request.header("content-type")
         is_json = content_type is None or "json" in content_type.lower()
         raw, headers = await self._read(request, admission, json=is_json)
         parsed = parse_forwarded(raw, content_type, self.catalog, self.callers.may_use(admission.tenant),
@@ -83,18 +82,17 @@ class ProxiedRequests:
             admission.trace.admitted(parsed, admission.tenant)
         return Admitted(admission, parsed, headers)
 
-    async def admit_bodiless(self, request: Request, admission: Admission) -> Admitted:
+    async def admit_bodiless(self, request: HttpRequest, admission: Admission) -> Admitted:
         """Admit a request that carries no body to read (a GET, a DELETE): who asks, within the limits."""
         raw, headers = await self._read(request, admission, json=True)
         if raw:
             raise ApiError(400, "this request takes no body", code="invalid_body")
         return Admitted(admission, Parsed(raw, {}, "", False, None, None), headers)
 
-    async def _read(self, request: Request, admission: Admission, *, json: bool) -> tuple[bytes, dict[str, str]]:
+    async def _read(self, request: HttpRequest, admission: Admission, *, json: bool) -> tuple[bytes, dict[str, str]]:
         config = self.holder.current
         if self.tracer is not None:
-            scope = request.scope
-            admission.trace = self.tracer.begin(scope["method"], route_of(scope), scope["path"],
+            admission.trace = self.tracer.begin(request.method, request.route, request.path,
                                                 admission.client.traceparent, admission.client.tracestate,
                                                 admission.request_id)
         admission.tenant = resolve_tenant(self.tenants, admission.client.authorization)
@@ -115,9 +113,9 @@ class ProxiedRequests:
                            admission, api)
 
     async def answer(
-        self, request: Request, path: str, admitted: Admitted, routed: Routed, *, method: str = "POST",
+        self, request: HttpRequest, path: str, admitted: Admitted, routed: Routed, *, method: str = "POST",
         answered: Answered | None = None, ticket: Ticket | None = None,
-    ) -> Response:
+    ) -> Response | StreamedAnswer:
         """Forward as ``routed`` says, relay the answer (streamed as asked), account for it, then tell ``answered``;
         the admission ``ticket`` is given back once the answer is complete, however it ends."""
         admission, parsed = admitted.admission, admitted.parsed
@@ -138,8 +136,3 @@ class ProxiedRequests:
         finished = functools.partial(self.accounting.answered, routed, admission, api, then=answered, ticket=ticket)
         return relay(up, api, admission.request_id, routed.decision.reason, parsed.stream, finished)
 
-
-def route_of(scope: Scope) -> str:
-    """The request's route as its server span names it: the path template of a route with parameters
-    (``/v1/responses/{response_id}``), so span names stay few; the path itself for the fixed ones."""
-    return getattr(scope.get("route"), "path", None) or scope["path"]

@@ -14,14 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
-import aiohttp
 import msgspec
-from starlette.requests import Request
 from starlette.responses import Response
 
 from kvgate.router.admission.gate import Ticket
 from kvgate.router.apis.responses import RESPONSES, History, history_of, previous_response_id, responses_prompt
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.http import HttpRequest, StreamedAnswer
 from kvgate.router.endpoints.proxied import ProxiedRequests
 from kvgate.router.fleet.attempts import Upstream
 from kvgate.router.fleet.state import Fleet
@@ -36,6 +35,7 @@ from kvgate.router.prompts.prompt import ChatPrompt
 from kvgate.router.routing.config import ResponsesConfig
 from kvgate.router.routing.stored_responses import ResponseIds, StoredResponses, locate
 from kvgate.router.settings.holder import ConfigHolder
+from kvgate.router.upstream.client import EngineClient, UpstreamError
 
 _encode = msgspec.json.Encoder().encode
 Action = Literal["get", "cancel", "delete"]
@@ -49,7 +49,7 @@ class Responses:
     def __init__(
         self, holder: ConfigHolder, proxied: ProxiedRequests, tokenize: TokenizeStage, queue: QueueStage,
         route: RouteStage,
-        fleet: Fleet, ids: ResponseIds, stored: StoredResponses, session: aiohttp.ClientSession,
+        fleet: Fleet, ids: ResponseIds, stored: StoredResponses, client: EngineClient,
         spawn: Callable[[Coroutine[Any, Any, None]], None],
     ) -> None:
         self.holder = holder
@@ -60,16 +60,16 @@ class Responses:
         self.fleet = fleet
         self.ids = ids
         self.stored = stored
-        self.session = session
+        self.client = client
         self.spawn = spawn
 
     @property
     def config(self) -> ResponsesConfig:
         return self.holder.current.responses
 
-    async def create(self, request: Request) -> Response:
+    async def create(self, request: HttpRequest) -> Response | StreamedAnswer:
         api = RESPONSES
-        admission = Admission.of(request.scope)
+        admission = Admission.of(request)
         ticket: Ticket | None = None
         try:
             admitted = await self.proxied.admit(request, api, admission)
@@ -133,11 +133,11 @@ class Responses:
         if found is None:
             return
         try:
-            async with self.session.get(f"{found.url}/v1/responses/{response_id}",
-                                        timeout=aiohttp.ClientTimeout(total=self.config.lookup_timeout_s)) as answer:
-                body = await answer.read() if answer.status == 200 else None
-        except (aiohttp.ClientError, OSError, TimeoutError):
+            answer = await self.client.fetch("GET", f"{found.url}/v1/responses/{response_id}",
+                                             timeout_s=self.config.lookup_timeout_s)
+        except (UpstreamError, OSError, TimeoutError, ValueError):
             return
+        body = answer.body if answer.status == 200 else None
         history: History | None = history_of(messages, body) if body is not None else None
         if history is not None:
             self.stored.keep_history(response_id, history)
@@ -149,7 +149,7 @@ class Responses:
         name = self.stored.replica_of(response_id)
         if name is None:
             replicas = [(r.name, r.url) for r in self.fleet.replicas.values() if r.healthy]
-            name = await locate(self.session, response_id, replicas, self.config.lookup_timeout_s)
+            name = await locate(self.client, response_id, replicas, self.config.lookup_timeout_s)
             if name is None:
                 raise not_found(response_id)
             self.stored.record(response_id, name)
@@ -165,11 +165,11 @@ class Responses:
                            code="response_replica_unavailable")
         return name
 
-    async def by_id(self, request: Request, response_id: str, action: Action) -> Response:
+    async def by_id(self, request: HttpRequest, response_id: str, action: Action) -> Response | StreamedAnswer:
         """``GET`` (``?stream=true`` replays a background response), ``DELETE``, and ``POST …/cancel`` of a stored
         response, at the replica that stores it."""
         api = RESPONSES
-        admission = Admission.of(request.scope)
+        admission = Admission.of(request)
         try:
             admitted = await self.proxied.admit_bodiless(request, admission)
             replica = await self._replica_of(response_id, admission.tenant)
@@ -178,8 +178,8 @@ class Responses:
         except ApiError as e:
             return self.proxied.refuse(e, admission, api)
         admitted.parsed.api = api
-        admitted.parsed.stream = action == "get" and request.query_params.get("stream") == "true"
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        admitted.parsed.stream = action == "get" and request.query_param("stream") == "true"
+        path = request.path + (f"?{request.query}" if request.query else "")
         method = {"get": "GET", "delete": "DELETE", "cancel": "POST"}[action]
         response = await self.proxied.answer(request, path, admitted, routed, method=method)
         if action == "delete" and response.status_code == 405:

@@ -27,11 +27,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from kvgate.router.core.metrics import GatewayMetrics
 from kvgate.router.fleet.state import Fleet
 from kvgate.router.fleet.tickets import LoadTicket
+from kvgate.router.upstream.client import EngineResponse
 from kvgate.router.upstream.proxy import HOP_BY_HOP, AttemptFailed, Forward, Proxy
 
 
@@ -53,7 +52,7 @@ class Upstream:
     """A successful attempt: the replica's response, ready to be relayed to the client."""
 
     replica: str
-    response: aiohttp.ClientResponse
+    response: EngineResponse
     body: bytes
     """Non-streaming: the whole body. Streaming: the first chunk (already read, not yet sent)."""
     ticket: LoadTicket
@@ -75,7 +74,7 @@ class Upstream:
 
     def client_headers(self) -> dict[str, str]:
         """The upstream's end-to-end headers, to copy to the client."""
-        return {k.lower(): v for k, v in self.response.headers.items() if k.lower() not in HOP_BY_HOP}
+        return {name: value for name, value in self.response.headers if name not in HOP_BY_HOP}
 
 
 class Attempts:

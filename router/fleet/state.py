@@ -23,7 +23,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
-import aiohttp
 
 from kvgate.cache_index.match import PrefixMatch
 from kvgate.policies.base import ReplicaView
@@ -32,6 +31,7 @@ from kvgate.router.fleet.config import ReplicaConfig
 from kvgate.router.fleet.peer_work import PeerWork
 from kvgate.router.fleet.replica import Replica
 from kvgate.router.fleet.tickets import NO_WORK, DispatchedWork, LoadTicket
+from kvgate.router.upstream.client import EngineClient
 from kvgate.router.upstream.breaker import CircuitBreaker
 from kvgate.router.upstream.config import BreakerConfig, HealthConfig, ScrapeConfig
 from kvgate.router.upstream.health import fetch_models, probe_health
@@ -76,13 +76,13 @@ class Fleet:
     ``health``, ``scrape`` and ``breaker`` sections (:meth:`reconfigure` takes reloaded ones)."""
 
     def __init__(
-        self, replicas: Sequence[ReplicaConfig], session: aiohttp.ClientSession, *, health: HealthConfig,
+        self, replicas: Sequence[ReplicaConfig], client: EngineClient, *, health: HealthConfig,
         scrape: ScrapeConfig, breaker: BreakerConfig, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.health = health
         self.scrape = scrape
         self.breaker = breaker
-        self.session = session
+        self.client = client
         self.clock = clock
         self.replicas: dict[str, Replica] = {}
         self.listeners: list[FleetListener] = []
@@ -334,7 +334,7 @@ class Fleet:
     async def _scrape(self, replica: Replica) -> ScrapedLoad | None:
         timeout = min(SCRAPE_TIMEOUT_CAP_S, self.scrape.stale_after_ms / 2000.0)
         epoch = replica.begin_scrape()
-        load = await scrape_metrics(self.session, replica.url, timeout, self.clock)
+        load = await scrape_metrics(self.client, replica.url, timeout, self.clock)
         if load is not None and replica.record_scrape(load, epoch) and self.replicas.get(replica.name) is replica:
             log.warning("replica %s restarted (process start time moved to %.3f)", replica.name, load.started_at)
             self._notify("on_restarted", replica.name, load.started_at)
@@ -378,9 +378,9 @@ class Fleet:
 
     async def _check_health(self, replica: Replica) -> None:
         health = self.health
-        ok = await probe_health(self.session, replica.url, health.timeout_s)
+        ok = await probe_health(self.client, replica.url, health.timeout_s)
         if ok:
-            models = await fetch_models(self.session, replica.url, health.timeout_s)
+            models = await fetch_models(self.client, replica.url, health.timeout_s)
             if models is not None:
                 replica.served_models = models
         was_down = replica.health.up is False

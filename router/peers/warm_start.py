@@ -17,8 +17,6 @@ import asyncio
 import logging
 import random
 
-import aiohttp
-
 from kvgate.cache_index.ingest import EventIngestor
 from kvgate.router.fleet.config import DiscoveryConfig, DiscoveryPorts
 from kvgate.router.fleet.discovery.dns import DnsSource, ResolutionFailed
@@ -28,6 +26,7 @@ from kvgate.router.peers.config import PeersConfig
 from kvgate.router.peers.snapshot import (
     CONTENT_TYPE, Applied, Snapshot, SnapshotRejected, apply_snapshot, decode_snapshot,
 )
+from kvgate.router.upstream.client import EngineClient, UpstreamBodyTooLarge, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -61,34 +60,29 @@ async def peer_urls(config: PeersConfig) -> list[str]:
 
 
 async def fetch_snapshot(
-    session: aiohttp.ClientSession, url: str, token: str | None, instance: str, max_bytes: int, timeout_s: float
+    client: EngineClient, url: str, token: str | None, instance: str, max_bytes: int, timeout_s: float
 ) -> Snapshot:
     """One peer's snapshot, decoded and checked. :class:`Unavailable` when it is warming up, :class:`Itself` when it is
-    the asking gateway; any other failure
-    raises :class:`SnapshotRejected`, ``aiohttp.ClientError`` or ``TimeoutError``."""
+    the asking gateway; any other failure raises :class:`SnapshotRejected`,
+    :class:`~kvgate.router.upstream.client.UpstreamError` or ``TimeoutError``."""
     headers = {INSTANCE_HEADER: instance, "accept": CONTENT_TYPE}
     if token:
         headers["authorization"] = f"Bearer {token}"
-    async with session.get(url + SNAPSHOT_PATH, headers=headers,
-                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        if resp.status == 503:
-            raise Unavailable()
-        if resp.status == 409:
-            raise Itself()
-        if resp.status != 200:
-            raise SnapshotRejected(f"answered {resp.status}")
-        if resp.content_length is not None and resp.content_length > max_bytes:
-            raise SnapshotRejected(f"{resp.content_length} bytes, more than peers.max_snapshot_bytes")
-        body = bytearray()
-        async for chunk in resp.content.iter_chunked(1 << 20):
-            body += chunk
-            if len(body) > max_bytes:
-                raise SnapshotRejected("more than peers.max_snapshot_bytes")
-    return decode_snapshot(bytes(body))
+    try:
+        answer = await client.fetch("GET", url + SNAPSHOT_PATH, headers, timeout_s=timeout_s, max_bytes=max_bytes)
+    except UpstreamBodyTooLarge:
+        raise SnapshotRejected("more than peers.max_snapshot_bytes") from None
+    if answer.status == 503:
+        raise Unavailable()
+    if answer.status == 409:
+        raise Itself()
+    if answer.status != 200:
+        raise SnapshotRejected(f"answered {answer.status}")
+    return decode_snapshot(answer.body)
 
 
 async def take_from_peers(
-    session: aiohttp.ClientSession, config: PeersConfig, token: str | None, instance: str, timeout_s: float
+    client: EngineClient, config: PeersConfig, token: str | None, instance: str, timeout_s: float
 ) -> tuple[str, Snapshot] | None:
     """The first good snapshot a peer gives within ``timeout_s`` (its URL and the snapshot), or None."""
     loop = asyncio.get_running_loop()
@@ -102,14 +96,14 @@ async def take_from_peers(
             if left <= 0:
                 return None
             try:
-                return url, await fetch_snapshot(session, url, token, instance, config.max_snapshot_bytes, left)
+                return url, await fetch_snapshot(client, url, token, instance, config.max_snapshot_bytes, left)
             except Unavailable:
                 retry = True
             except Itself:
                 pass
             except SnapshotRejected as e:
                 log.warning("peers: snapshot from %s rejected: %s", url, e)
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            except (UpstreamError, TimeoutError, OSError, ValueError) as e:
                 log.info("peers: %s unreachable: %s", url, e or type(e).__name__)
         if not retry or loop.time() + RETRY_INTERVAL_S >= deadline:
             return None
@@ -122,10 +116,10 @@ class WarmStart:
     the gateway is not ready, and gives no snapshot itself (``warming``)."""
 
     def __init__(
-        self, session: aiohttp.ClientSession, peers: PeersConfig, token: str | None, instance: str, fleet: Fleet,
+        self, client: EngineClient, peers: PeersConfig, token: str | None, instance: str, fleet: Fleet,
         ingestor: EventIngestor, feed: IndexFeed, discovery: DiscoveryConfig,
     ) -> None:
-        self.session = session
+        self.client = client
         self.peers = peers
         self.token = token
         self.instance = instance
@@ -153,7 +147,7 @@ class WarmStart:
         peers = self.peers
         loop = asyncio.get_running_loop()
         deadline = loop.time() + peers.warm_start_timeout_s
-        taken = await take_from_peers(self.session, peers, self.token, self.instance, peers.warm_start_timeout_s)
+        taken = await take_from_peers(self.client, peers, self.token, self.instance, peers.warm_start_timeout_s)
         if taken is None:
             log.warning("warm start: no peer gave a snapshot; starting cold")
             return None

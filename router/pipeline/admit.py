@@ -8,11 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from starlette.requests import Request
-from starlette.types import Scope
-
 from kvgate.router.core.config import LimitsConfig, ServerConfig
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.http import HttpRequest
 from kvgate.router.core.tenants import AuthError, TenantResolver
 from kvgate.router.core.trace_context import TRACEPARENT, TRACESTATE, TraceParent, client_trace_context
 from kvgate.router.pipeline.bodies import JsonBounds, read_body
@@ -39,8 +37,7 @@ _CLIENT_HEADERS = frozenset((b"x-request-id", b"authorization", b"x-api-key", PR
 
 @dataclass(slots=True)
 class ClientHeaders:
-    """The client headers the gateway acts on, read in one pass over the ASGI headers (first value of each, as
-    Starlette's ``Headers.get``, which scans the whole list and raises and catches a KeyError for each one absent).
+    """The client headers the gateway acts on, read in one pass over the request's headers (first value of each).
 
     Anthropic's SDKs send their key as ``x-api-key``: without an ``Authorization`` header it stands for
     ``Authorization: Bearer <key>``, so tenants and engines see one form. The W3C trace headers are the exception to
@@ -60,9 +57,9 @@ class ClientHeaders:
     """The client's ``tracestate``, when it and the ``traceparent`` are valid."""
 
     @classmethod
-    def of(cls, scope: Scope) -> ClientHeaders:
+    def of(cls, headers: list[tuple[bytes, bytes]]) -> ClientHeaders:
         found: dict[bytes, str] = {}
-        for name, value in scope["headers"]:
+        for name, value in headers:
             if name in _CLIENT_HEADERS:
                 if name not in found:
                     found[name] = value.decode("latin-1")
@@ -92,8 +89,8 @@ class Admission:
     it begins."""
 
     @classmethod
-    def of(cls, scope: Scope) -> Admission:
-        client = ClientHeaders.of(scope)
+    def of(cls, request: HttpRequest) -> Admission:
+        client = ClientHeaders.of(request.headers)
         return cls(client, client.request_id or new_request_id())
 
 
@@ -115,7 +112,7 @@ def check_client_ids(client: ClientHeaders, limits: LimitsConfig) -> None:
 
 
 async def read_within_limits(
-    request: Request, server: ServerConfig, limits: LimitsConfig, *, json: bool = True
+    request: HttpRequest, server: ServerConfig, limits: LimitsConfig, *, json: bool = True
 ) -> bytes:
     """The body as received: over ``server.max_body_bytes`` or (``json``) too many JSON values or objects is a 413,
     not in full within ``server.body_timeout_s`` a 408."""

@@ -14,9 +14,8 @@ from typing import Any, NamedTuple
 import msgspec
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
-from starlette.requests import ClientDisconnect, Request
-
 from kvgate.router.core.errors import ApiError
+from kvgate.router.core.http import ClientLeft, HttpRequest
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ class JsonBounds(NamedTuple):
     objects: int
 
 
-async def read_body(request: Request, limit: int, timeout_s: float, bounds: JsonBounds | None) -> bytes:
+async def read_body(request: HttpRequest, limit: int, timeout_s: float, bounds: JsonBounds | None) -> bytes:
     """The request body, refusing (413) anything over ``limit`` bytes by Content-Length or by what actually arrives,
     and (408) a body that has not arrived in full within ``timeout_s``. A client that disconnects during the upload
     is a 499 for the request log: one line, no traceback.
@@ -43,16 +42,25 @@ async def read_body(request: Request, limit: int, timeout_s: float, bounds: Json
     A body over :data:`COUNT_ITEMS_ABOVE_BYTES` beyond ``bounds`` is refused (413) as soon as a count passes its
     limit, chunk by chunk as it arrives: decoding builds every value on the event loop (msgspec holds the GIL, so no
     thread would help), so 800,000 tiny messages would hold it for seconds, and counting a whole body at once would
-    hold it too. ``bounds=None`` (bodies that are not JSON) counts nothing."""
-    declared = request.headers.get("content-length")
+    hold it too. ``bounds=None`` (bodies that are not JSON) counts nothing. A body already in full (most are, by the
+    time an endpoint reads them) is checked and joined without waiting."""
+    declared = request.header("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
-    chunks: list[bytes] = []
+    if request.complete:
+        chunks = request.received()
+        size = sum(map(len, chunks))
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        if bounds is not None and size > COUNT_ITEMS_ABOVE_BYTES:
+            _check_bounds(_structure_bytes(chunks), sum(c.count(b"{") for c in chunks), bounds)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    chunks = []
     size = 0
     items = objects = -1  # not counted yet
     try:
         async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
+            async for chunk in request.chunks():
                 size += len(chunk)
                 if size > limit:
                     raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
@@ -61,16 +69,20 @@ async def read_body(request: Request, limit: int, timeout_s: float, bounds: Json
                     counted = chunks if items < 0 else [chunk]
                     items = max(items, 0) + _structure_bytes(counted)
                     objects = max(objects, 0) + sum(c.count(b"{") for c in counted)
-                    if items > bounds.items or objects > bounds.objects:
-                        what = (f"{bounds.items} JSON values (objects, arrays, elements)" if items > bounds.items
-                                else f"{bounds.objects} JSON objects")
-                        raise ApiError(413, f"request body holds more than {what}", code="request_too_complex")
+                    _check_bounds(items, objects, bounds)
     except TimeoutError:
         raise ApiError(408, f"request body not received within {timeout_s:g} s", code="request_timeout") from None
-    except ClientDisconnect:
+    except ClientLeft:
         log.info("client disconnected during the request body upload (%d bytes received)", size)
         raise ApiError(499, "client disconnected during the upload", code="client_closed") from None
     return b"".join(chunks)
+
+
+def _check_bounds(items: int, objects: int, bounds: JsonBounds) -> None:
+    if items > bounds.items or objects > bounds.objects:
+        what = (f"{bounds.items} JSON values (objects, arrays, elements)" if items > bounds.items
+                else f"{bounds.objects} JSON objects")
+        raise ApiError(413, f"request body holds more than {what}", code="request_too_complex")
 
 
 def _structure_bytes(chunks: list[bytes]) -> int:

@@ -5,44 +5,33 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from starlette.requests import Request
-from starlette.types import Receive
+from kvgate.router.core.http import HttpRequest
 
 T = TypeVar("T")
 
 
-async def cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
-    """Cancels ``task`` when the client closes the connection. Only for requests whose body was already read, so
-    ``receive`` has nothing else to report. Run it as a task next to the work it guards."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    task.cancel()
+async def while_connected(request: HttpRequest, work: Awaitable[T]) -> T | None:
+    """``work`` (the request's upstream legs, or its wait for capacity), cancelled the moment the client disconnects
+    (None then): closing the upstream connection makes the engine abort the sequence, even during a long prefill
+    before any byte came back — a handoff's prefill leg included, whose KV would otherwise stay held for a decode leg
+    that never comes; a waiting request leaves the gateway's queue.
 
-
-def left_early(watcher: asyncio.Task[None]) -> bool:
-    """Whether a :func:`cancel_on_disconnect` watcher is what cancelled its task (the client left)."""
-    return watcher.done() and not watcher.cancelled() and watcher.exception() is None
-
-
-async def while_connected(request: Request, forward: Awaitable[T]) -> T | None:
-    """``forward`` (the request's upstream legs, or its wait for capacity), cancelled the moment the client
-    disconnects (None then): closing the upstream connection makes the engine abort the sequence, even during a long
-    prefill before any byte came back — a handoff's prefill leg included, whose KV would otherwise stay held for a
-    decode leg that never comes; a waiting request leaves the gateway's queue.
-
-    The forward runs in the request's own task and only the watcher is a second one, which cancels this task when
-    the client leaves: a task for the forward plus ``asyncio.wait`` cost more CPU per request."""
-    task = asyncio.current_task()
-    assert task is not None
-    watcher = asyncio.ensure_future(cancel_on_disconnect(request.receive, task))
+    The work runs in the request's own task, which the request cancels when its client leaves
+    (:meth:`~kvgate.router.core.http.HttpRequest.guard`): no second task watches for it."""
+    if not request.guard():
+        if asyncio.iscoroutine(work):
+            work.close()
+        return None
     try:
-        return await forward
+        result = await work
     except asyncio.CancelledError:
-        if left_early(watcher):
+        if request.unguard():
+            task = asyncio.current_task()
+            assert task is not None
             task.uncancel()
             return None
         raise
-    finally:
-        watcher.cancel()
+    request.unguard()
+    return result

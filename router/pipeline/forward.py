@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from starlette.requests import Request
-
+from kvgate.router.core.http import HttpRequest
 from kvgate.router.fleet.attempts import Attempts, Load, Upstream
 from kvgate.router.fleet.state import Fleet
 from kvgate.router.pipeline.disconnect import while_connected
@@ -42,7 +41,7 @@ class Forwarder:
         self.config = config
 
     async def send(
-        self, request: Request, path: str, parsed: Parsed, routed: Routed, headers: dict[str, str],
+        self, request: HttpRequest, path: str, parsed: Parsed, routed: Routed, headers: dict[str, str],
         method: str = "POST", trace: RequestTrace | None = None,
     ) -> Upstream | None:
         """The upstream answer (its first byte in), or None when the client left first. Raises

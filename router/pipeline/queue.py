@@ -7,9 +7,9 @@ ahead of the operator's order. With ``admission.forward_priority`` the engine ge
 from __future__ import annotations
 
 import msgspec
-from starlette.requests import Request
 
 from kvgate.router.admission.gate import AdmissionGate, Ticket
+from kvgate.router.core.http import HttpRequest
 from kvgate.router.pipeline.admit import Admission
 from kvgate.router.pipeline.disconnect import while_connected
 from kvgate.router.pipeline.bodies import priority_of
@@ -32,7 +32,7 @@ class QueueStage:
         floor = config.class_of(admission.tenant).priority
         return floor if asked is None else max(asked, floor)
 
-    async def wait(self, request: Request, prompt: Prompt, parsed: Parsed, admission: Admission) -> Ticket | None:
+    async def wait(self, request: HttpRequest, prompt: Prompt, parsed: Parsed, admission: Admission) -> Ticket | None:
         """The request's ticket once it may be routed, or None when its client left while it waited; the prompt's
         candidates lose the replicas it must leave to other tenants (the headroom). Raises :class:`ApiError` (400 a
         bad priority, 429 over a limit, 503 queue full or deadline)."""

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import aiohttp
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from kvgate.router.apis.base import Api, Usage
 from kvgate.router.core.errors import OPENAI_ERRORS, ApiError
+from kvgate.router.core.http import StreamedAnswer
 from kvgate.router.fleet.attempts import Upstream
-from kvgate.router.pipeline.disconnect import cancel_on_disconnect, left_early
+from kvgate.router.upstream.client import UpstreamError
 
 StreamEnd = Literal["ok", "stream_error", "client_disconnect"]
 TAIL_BYTES = 16384
@@ -45,9 +44,12 @@ def kvgate_headers(request_id: str, reason: str | None, replica: str | None = No
     return headers
 
 
-def relay(up: Upstream, api: Api | None, request_id: str, reason: str, stream: bool, finished: Finished) -> Response:
-    """The client's response: the engine's answer with kvgate's headers, streamed when it is a stream; ``finished``
-    runs when it is complete (a stream's end, or at once)."""
+def relay(
+    up: Upstream, api: Api | None, request_id: str, reason: str, stream: bool, finished: Finished
+) -> Response | StreamedAnswer:
+    """The client's answer: the engine's with kvgate's headers, streamed when it is a stream; ``finished`` runs when
+    it is complete: at a stream's end, or just after an answer read whole is written (it is called soon, not now,
+    so the client's answer does not wait for its accounting)."""
     headers = up.client_headers()
     headers.update(kvgate_headers(request_id, reason, up.replica))
     if stream and up.status == 200 and api is not None:
@@ -55,9 +57,9 @@ def relay(up: Upstream, api: Api | None, request_id: str, reason: str, stream: b
             up.ticket.finish(result.end != "stream_error")
             finished(up, result)
 
-        return RelayResponse(relay_stream(up, api, on_end), status_code=up.status, headers=headers)
+        return StreamedAnswer(up.status, headers, RelayStream(up, api, on_end))
     up.settle()
-    finished(up, None)
+    asyncio.get_running_loop().call_soon(finished, up, None)
     if up.status >= 400:
         shape = api.errors if api is not None else OPENAI_ERRORS
         body, headers["content-type"] = shape.from_engine(up.status, up.body, headers.get("content-type"))
@@ -65,79 +67,73 @@ def relay(up: Upstream, api: Api | None, request_id: str, reason: str, stream: b
     return Response(up.body, status_code=up.status, headers=headers)
 
 
-async def relay_stream(upstream: Upstream, api: Api, on_end: Callable[[StreamResult], None]) -> AsyncIterator[bytes]:
-    """Yield the upstream's SSE bytes to the client as they arrive, chunk by chunk (no buffering).
+class RelayStream:
+    """The upstream's SSE bytes, to the client as they arrive, chunk by chunk (no buffering): the first chunk (read
+    already, to find the first output) and then each one the engine sends.
 
     After the first byte nothing is retried: an upstream failure ends the stream with the API's error events. When the
-    client leaves (the generator is closed or cancelled), the upstream connection is closed at once so the engine
-    aborts the sequence. A client that leaves once the stream's end marker has been relayed had the whole answer:
-    the official openai client closes its response on reading ``[DONE]``, often before the upstream's body has ended,
-    so that ends ``ok``. ``on_end`` is called exactly once with how the stream ended and the usage seen in its tail.
-    """
-    resp = upstream.response
-    end: StreamEnd = "client_disconnect"
-    prev = b""
-    last = upstream.body
-    try:
-        yield last
+    client leaves, the server stops iterating and closes this stream (:meth:`aclose`): the upstream connection is
+    closed at once so the engine aborts the sequence. A client that leaves once the stream's end marker has been
+    relayed had the whole answer: the official openai client closes its response on reading ``[DONE]``, often before
+    the upstream's body has ended, so that ends ``ok``. Its reader closes it (:meth:`aclose`) however it ends, even
+    before its first chunk was asked for: that calls ``on_end``, once, with how it ended and the usage in its
+    tail."""
+
+    def __init__(self, upstream: Upstream, api: Api, on_end: Callable[[StreamResult], None]) -> None:
+        self.response = upstream.response
+        self.api = api
+        self.on_end = on_end
+        self.end: StreamEnd = "client_disconnect"
+        self._first: bytes | None = upstream.body
+        self._prev = b""
+        self._last = upstream.body
+        self._over = False
+        """The stream has given its last chunk (an error event, or nothing more)."""
+        self._closed = False
+
+    def __aiter__(self) -> RelayStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._over:
+            raise StopAsyncIteration
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
         try:
-            async for chunk in resp.content.iter_any():
-                prev, last = last, chunk
-                yield chunk
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            end = "stream_error"
-            yield _stream_error(api, f"upstream replica failed mid-stream: {type(e).__name__}")
+            chunk = await self.response.readany()
+        except (UpstreamError, OSError, TimeoutError) as e:
+            self.end = "stream_error"
+            self._over = True
+            return _stream_error(self.api, f"upstream replica failed mid-stream: {type(e).__name__}")
+        if chunk:
+            self._prev, self._last = self._last, chunk
+            return chunk
+        self._over = True
+        if not self.api.stream_complete(self._tail()) and self.response.content_type == "text/event-stream":
+            self.end = "stream_error"
+            return _stream_error(self.api, "upstream replica ended the stream early")
+        self.end = "ok"
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        if self._closed:
             return
-        tail = prev[-TAIL_BYTES:] + last
-        if not api.stream_complete(tail) and resp.content_type == "text/event-stream":
-            end = "stream_error"
-            yield _stream_error(api, "upstream replica ended the stream early")
-            return
-        end = "ok"
-    finally:
+        self._closed = True
+        end = self.end
         if end == "ok":
-            resp.release()
+            self.response.release()
         else:
-            resp.close()
-        tail = prev[-TAIL_BYTES:] + last
-        if end == "client_disconnect" and api.stream_complete(tail):
+            self.response.close()
+        tail = self._tail()
+        if end == "client_disconnect" and self.api.stream_complete(tail):
             end = "ok"
-        usage = api.usage_of_stream_tail(tail) if end == "ok" else None
-        on_end(StreamResult(end, usage, time.monotonic()))
+        usage = self.api.usage_of_stream_tail(tail) if end == "ok" else None
+        self.on_end(StreamResult(end, usage, time.monotonic()))
+
+    def _tail(self) -> bytes:
+        return self._prev[-TAIL_BYTES:] + self._last
 
 
 def _stream_error(api: Api, message: str) -> bytes:
     return api.errors.stream_events(ApiError(502, message, code="upstream_stream_error"))
-
-
-class RelayResponse(Response):
-    """Streams a relay (:func:`relay_stream`) to the client and always finalises it when the ASGI call ends (done,
-    cancelled, or the client disconnected), instead of leaving the generator to the garbage collector: the upstream
-    is closed at once.
-
-    Not Starlette's StreamingResponse: under uvicorn's ASGI spec 2.3 that runs every stream in an anyio task group
-    with a second task listening for the disconnect. Here one watcher task cancels the stream instead, which costs
-    less CPU per response and ends the relay just as promptly."""
-
-    def __init__(self, chunks: AsyncIterator[bytes], status_code: int, headers: Mapping[str, str]) -> None:
-        self.body_iterator = chunks
-        self.status_code = status_code
-        self.background = None
-        self.init_headers(headers)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        watcher = asyncio.ensure_future(cancel_on_disconnect(receive, task))
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not left_early(watcher):
-                raise
-            task.uncancel()
-        finally:
-            watcher.cancel()
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]

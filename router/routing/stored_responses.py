@@ -18,8 +18,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import aiohttp
 
+from kvgate.router.upstream.client import EngineClient, UpstreamError
 from kvgate.router.apis.responses import History
 from kvgate.router.prompts.prompt import plain_text
 from kvgate.router.routing.config import ResponsesConfig
@@ -119,18 +119,17 @@ class StoredResponses:
         return len(self._by_id)
 
 
-async def locate(session: aiohttp.ClientSession, response_id: str, replicas: Sequence[tuple[str, str]],
+async def locate(client: EngineClient, response_id: str, replicas: Sequence[tuple[str, str]],
                  timeout_s: float) -> str | None:
     """The replica (of (name, base URL) ``replicas``) whose engine answers ``GET /v1/responses/{id}`` with 200, asked
     all at once; None when none does within ``timeout_s``."""
 
     async def holds(name: str, url: str) -> str | None:
         try:
-            async with session.get(f"{url}/v1/responses/{response_id}",
-                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-                return name if response.status == 200 else None
-        except (aiohttp.ClientError, OSError, TimeoutError):
+            answer = await client.fetch("GET", f"{url}/v1/responses/{response_id}", timeout_s=timeout_s)
+        except (UpstreamError, OSError, TimeoutError, ValueError):
             return None
+        return name if answer.status == 200 else None
 
     tasks = [asyncio.ensure_future(holds(name, url)) for name, url in replicas]
     try:

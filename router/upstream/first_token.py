@@ -11,7 +11,7 @@ from typing import Protocol
 
 
 class ByteStream(Protocol):
-    """What is read from: an upstream response's body (``aiohttp.StreamReader``)."""
+    """What is read from: an upstream response's body (:class:`~kvgate.router.upstream.client.EngineResponse`)."""
 
     async def readany(self) -> bytes: ...
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-import aiohttp
+import msgspec
 
+from kvgate.router.upstream.client import EngineClient, UpstreamError
 from kvgate.router.upstream.config import HealthConfig
 from kvgate.router.upstream.scrape import NO_COMPRESSION
 
 log = logging.getLogger(__name__)
 
 Transition = Literal["up", "down"]
+MAX_MODELS_BYTES = 4 * 1024 * 1024
+"""The largest ``/health`` or ``/v1/models`` answer read."""
 
 
 class HealthState:
@@ -43,27 +46,25 @@ class HealthState:
         return "up" if ok else "down"
 
 
-async def probe_health(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> bool:
+async def probe_health(client: EngineClient, base_url: str, timeout_s: float) -> bool:
     """True when ``/health`` answers 2xx within the timeout (vLLM answers 503 when its engine is dead)."""
     try:
-        async with session.get(base_url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            await resp.read()
-            return 200 <= resp.status < 300
-    except (aiohttp.ClientError, TimeoutError) as e:
+        answer = await client.fetch("GET", base_url + "/health", timeout_s=timeout_s, max_bytes=MAX_MODELS_BYTES)
+        return 200 <= answer.status < 300
+    except (UpstreamError, OSError, TimeoutError, ValueError) as e:
         log.debug("health %s failed: %r", base_url, e)
         return False
 
 
-async def fetch_models(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> list[dict[str, Any]] | None:
+async def fetch_models(client: EngineClient, base_url: str, timeout_s: float) -> list[dict[str, Any]] | None:
     """The ``data`` entries of ``/v1/models``; ``None`` when unavailable (the previous list is kept)."""
     try:
-        async with session.get(
-            base_url + "/v1/models", headers=NO_COMPRESSION, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as resp:
-            if resp.status != 200:
-                return None
-            body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        answer = await client.fetch("GET", base_url + "/v1/models", NO_COMPRESSION, timeout_s=timeout_s,
+                                    max_bytes=MAX_MODELS_BYTES)
+        if answer.status != 200:
+            return None
+        body = msgspec.json.decode(answer.body)
+    except (UpstreamError, OSError, TimeoutError, ValueError, msgspec.DecodeError) as e:
         log.debug("models %s failed: %r", base_url, e)
         return None
     data = body.get("data") if isinstance(body, dict) else None

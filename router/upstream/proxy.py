@@ -1,9 +1,4 @@
-"""Upstream HTTP to engine replicas: one shared aiohttp session, and one attempt of a request on one replica.
-
-Why aiohttp and not httpx: a proxy spends several times less CPU per request in aiohttp's ClientSession than in
-httpx's client; the bare FastAPI + aiohttp proxy of ``benchmarks/bench_overhead.py`` (docs/benchmarks.md, "Router
-overhead") is that floor. aiohttp keeps connections alive per host and sets TCP_NODELAY on every socket it opens
-(``aiohttp.base_protocol``), so streamed chunks are never held back by Nagle.
+"""One attempt of a request on one replica, through the gateway's :class:`~kvgate.router.upstream.client.EngineClient`.
 
 An attempt ends in one of two ways: the response with its first output read (the whole body when not streaming), or
 an :class:`AttemptFailed` naming why — the cause the retry and blame rules of :mod:`kvgate.router.fleet.attempts`
@@ -13,16 +8,16 @@ and what counts as a stream's first output come with the request (:class:`Forwar
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import aiohttp
-
 from kvgate.router.core.errors import ApiError
 from kvgate.router.core.trace_context import AttemptTracing
+from kvgate.router.upstream.client import (
+    EngineClient, EngineResponse, UpstreamConnectError, UpstreamError,
+)
 from kvgate.router.upstream.config import ProxyConfig
 from kvgate.router.upstream.first_token import read_to_first_output
 
@@ -34,27 +29,16 @@ HOP_BY_HOP = frozenset(
 """Upstream response headers kvgate does not copy to the client (its own server sets framing and these)."""
 
 
-def create_session(config: ProxyConfig) -> aiohttp.ClientSession:
-    """The one upstream session of a gateway: a keep-alive pool per replica, bodies passed through undecoded."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=config.pool_size_per_replica, keepalive_timeout=60.0)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None),
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
-    )
-
-
 class AttemptFailed(Exception):
     """One upstream attempt failed before any byte reached the client; another replica may be tried."""
 
     def __init__(self, cause: str, message: str, status: int | None = None, body: bytes = b"",
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(message)
         self.cause = cause
         self.status = status
         self.body = body
-        self.headers = {k.lower(): v for k, v in (headers or {}).items()}
+        self.headers = dict(headers)
         """The engine's answer's headers, names in lower case."""
 
     def to_api_error(self) -> ApiError:
@@ -85,7 +69,7 @@ class Forward:
 
 @dataclass(slots=True)
 class Proxy:
-    session: aiohttp.ClientSession
+    client: EngineClient
     config: ProxyConfig
     """Replaced on reload (:meth:`reconfigure`); read at each attempt."""
 
@@ -94,31 +78,35 @@ class Proxy:
 
     async def attempt(
         self, url: str, fwd: Forward, first_byte_deadline_s: float
-    ) -> tuple[aiohttp.ClientResponse, bytes, float]:
+    ) -> tuple[EngineResponse, bytes, float]:
         """Send ``fwd`` to ``url``: the response, its first output (streaming) or whole body, and the monotonic time
         that arrived. Raises :class:`AttemptFailed` for a refused or lost connection, no first byte within
         ``first_byte_deadline_s``, or a retryable status (5xx, 429)."""
         if fwd.trace is not None:
             return await self._traced_attempt(url, fwd, first_byte_deadline_s)
         cfg = self.config
-        timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, sock_connect=cfg.connect_timeout_s)
-        response: aiohttp.ClientResponse | None = None
+        response: EngineResponse | None = None
+        sent = time.monotonic()
         try:
-            async with asyncio.timeout(first_byte_deadline_s):
-                response = await self.session.request(fwd.method, url, data=fwd.body, headers=fwd.headers,
-                                                      timeout=timeout)
-                if response.status in RETRYABLE_STATUS:
-                    body = await response.read()
-                    raise AttemptFailed(
-                        f"status_{response.status}", f"HTTP {response.status}", response.status, body,
-                        response.headers,
-                    )
-                if fwd.stream and response.status == 200:
-                    first = (await response.content.readany() if fwd.holds_output is None
-                             else await read_to_first_output(response.content, fwd.holds_output))
-                    if not first:
-                        raise AttemptFailed("disconnect", "upstream closed the stream before its first byte")
-                    return response, first, time.monotonic()
+            # One deadline on the response: the first byte's (connecting included), then the whole answer's.
+            response = await self.client.request(fwd.method, url, fwd.headers, fwd.body,
+                                                 connect_timeout_s=cfg.connect_timeout_s,
+                                                 timeout_s=first_byte_deadline_s)
+            if response.status in RETRYABLE_STATUS:
+                body = await response.read()
+                raise AttemptFailed(
+                    f"status_{response.status}", f"HTTP {response.status}", response.status, body,
+                    response.headers,
+                )
+            if fwd.stream and response.status == 200:
+                first = (await response.readany() if fwd.holds_output is None
+                         else await read_to_first_output(response, fwd.holds_output))
+                if not first:
+                    raise AttemptFailed("disconnect", "upstream closed the stream before its first byte")
+                at = time.monotonic()
+                response.set_timeout(cfg.total_timeout_s - (at - sent))
+                return response, first, at
+            response.set_timeout(cfg.total_timeout_s - (time.monotonic() - sent))
             body = await response.read()
             return response, body, time.monotonic()
         except AttemptFailed:
@@ -129,9 +117,9 @@ class Proxy:
             if response is not None:
                 response.close()
             raise AttemptFailed("timeout", f"no first byte within {first_byte_deadline_s:.1f} s") from e
-        except aiohttp.ClientConnectorError as e:
-            raise AttemptFailed("connect", f"cannot connect: {e.os_error}") from e
-        except (aiohttp.ClientError, OSError) as e:
+        except UpstreamConnectError as e:
+            raise AttemptFailed("connect", str(e)) from e
+        except (UpstreamError, OSError) as e:
             if response is not None:
                 response.close()
             raise AttemptFailed("disconnect", f"{type(e).__name__}: {e}") from e
@@ -142,7 +130,7 @@ class Proxy:
 
     async def _traced_attempt(
         self, url: str, fwd: Forward, first_byte_deadline_s: float
-    ) -> tuple[aiohttp.ClientResponse, bytes, float]:
+    ) -> tuple[EngineResponse, bytes, float]:
         """The attempt in its own span, told how it went: the request carries the span's trace context (and no
         trace of its own, so it is sent as an untraced one)."""
         assert fwd.trace is not None

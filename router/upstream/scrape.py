@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urlencode
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.router.upstream.client import EngineClient, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,11 @@ METRICS_PATH = "/metrics?" + urlencode([("name[]", n) for n in sorted(WANTED_FAM
 """prometheus_client's exposition (vLLM's and SGLang's /metrics) renders only the ``name[]`` families asked for, so the
 engine does not build ~100 KiB of histograms ten times a second; engines that ignore it send everything, which the
 parser below filters anyway."""
-NO_COMPRESSION = {"Accept-Encoding": "identity"}
-"""prometheus_client gzips when the client accepts it, and the gateway's session does not decompress (it passes
-bodies through), so ask for plain text: cheaper than gzip on both ends for a few hundred bytes."""
+NO_COMPRESSION = {"accept-encoding": "identity"}
+"""prometheus_client gzips only when the client accepts it; say plainly that the gateway does not (it decompresses
+nothing): plain text is cheaper than gzip on both ends for a few hundred bytes."""
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+"""The largest /metrics page read: an engine that ignores ``name[]`` sends ~100 KiB."""
 PARSED_LINES_CACHED = 1024
 """Distinct sample lines whose parse is remembered: a few per engine and value seen."""
 FAMILIES_BY_PREFIX: dict[str, tuple[str, ...]] = {
@@ -167,18 +170,17 @@ def _int_label(labels: dict[str, str], key: str, default: int | None) -> int | N
 
 
 async def scrape_metrics(
-    session: aiohttp.ClientSession, base_url: str, timeout_s: float, clock: Callable[[], float]
+    client: EngineClient, base_url: str, timeout_s: float, clock: Callable[[], float]
 ) -> ScrapedLoad | None:
     """GET the engine's ``/metrics`` (wanted families only) and parse it; ``None`` when the engine does not answer or
     answers garbage."""
     try:
-        async with session.get(
-            base_url + METRICS_PATH, headers=NO_COMPRESSION, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as e:
+        answer = await client.fetch("GET", base_url + METRICS_PATH, NO_COMPRESSION, timeout_s=timeout_s,
+                                    max_bytes=MAX_METRICS_BYTES)
+        if answer.status != 200:
+            return None
+        text = answer.body.decode("utf-8")
+    except (UpstreamError, OSError, TimeoutError, UnicodeDecodeError, ValueError) as e:
         log.debug("scrape %s failed: %r", base_url, e)
         return None
     try:

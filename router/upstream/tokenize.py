@@ -6,9 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import aiohttp
+import msgspec
 
 from kvgate.policies.base import NoHealthyReplica
+from kvgate.router.upstream.client import EngineClient, UpstreamError
+
+
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 class HasUrl(Protocol):
@@ -18,9 +22,9 @@ class HasUrl(Protocol):
 
 class EngineTokenizer:
     def __init__(
-        self, session: aiohttp.ClientSession, routable: Callable[[], Sequence[HasUrl]], timeout_s: float
+        self, client: EngineClient, routable: Callable[[], Sequence[HasUrl]], timeout_s: float
     ) -> None:
-        self.session = session
+        self.client = client
         self.routable = routable
         self.timeout_s = timeout_s
 
@@ -32,8 +36,11 @@ class EngineTokenizer:
         replicas = self.routable()
         if not replicas:
             raise NoHealthyReplica("no routable replica to tokenize on")
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with self.session.post(replicas[0].url + "/tokenize", json=payload, timeout=timeout) as resp:
-            resp.raise_for_status()
-            answer: dict[str, Any] = await resp.json()
-            return answer
+        answer = await self.client.fetch("POST", replicas[0].url + "/tokenize", JSON_HEADERS,
+                                         msgspec.json.encode(payload), timeout_s=self.timeout_s)
+        if answer.status != 200:
+            raise UpstreamError(f"/tokenize answered {answer.status}")
+        decoded = msgspec.json.decode(answer.body)
+        if not isinstance(decoded, dict):
+            raise UpstreamError("/tokenize answered something that is not a JSON object")
+        return decoded

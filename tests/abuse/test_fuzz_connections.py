@@ -1,5 +1,5 @@
 """Property-based fuzzing (Hypothesis) of what arrives on a connection: kvgate's HTTP protocol
-(:class:`~kvgate.router.app.protocol.BoundedHttpProtocol`) fed request heads of every size and count, pipelined
+(:class:`~kvgate.router.app.protocol.HttpProtocol`) fed request heads of every size and count, pipelined
 requests, garbage, and all of it cut at random points (a trickle is the extreme: a byte at a time). Whatever
 arrives, the protocol never raises, never hands the parser more of a request's head than ``max_header_bytes``,
 answers what is too large with a JSON 431 and what is malformed with a JSON 400, and answers every well-formed
@@ -13,10 +13,12 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from uvicorn.config import Config
+from starlette.responses import Response
 from uvicorn.server import ServerState
 
-from kvgate.router.app.protocol import BoundedHttpProtocol
+from kvgate.router.app.protocol import HttpProtocol
+from kvgate.router.app.routes import Routes
+from kvgate.router.core.http import HttpRequest
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_HEADER_BYTES = 2048
@@ -57,26 +59,25 @@ class Transport(asyncio.Transport):
         pass
 
 
-async def echo_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def echo(request: HttpRequest) -> Response:
     """Answers with the request's header count, after reading its body."""
-    more = True
-    while more:
-        message = await receive()
-        more = message.get("more_body", False)
-    body = json.dumps({"path": scope["path"], "headers": len(scope["headers"])}).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    async for _ in request.chunks():
+        pass
+    body = json.dumps({"path": request.path, "headers": len(request.headers)}).encode()
+    return Response(body, media_type="application/json")
+
+
+ROUTES = Routes()
+ROUTES.add("POST", "/v1/x", echo)
 
 
 def run(chunks: list[bytes]) -> Transport:
     """Feed ``chunks`` to a fresh protocol on its own loop and let its requests be answered."""
     loop = asyncio.new_event_loop()
     try:
-        config = Config(app=echo_app, lifespan="off", log_config=None)
-        protocol = BoundedHttpProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop,
-                                       header_timeout_s=60, body_timeout_s=60, max_header_bytes=MAX_HEADER_BYTES,
-                                       max_headers=MAX_HEADERS)
+        protocol = HttpProtocol(config=None, server_state=ServerState(), app_state={}, _loop=loop, routes=ROUTES,
+                                header_timeout_s=60, body_timeout_s=60, max_header_bytes=MAX_HEADER_BYTES,
+                                max_headers=MAX_HEADERS, keep_alive_s=60)
         transport = Transport()
         protocol.connection_made(transport)
         fed = 0

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import yaml
 
@@ -19,6 +18,7 @@ from kvgate.router.fleet.discovery import Discovery
 from kvgate.router.fleet.discovery.dns import DnsSource, ResolutionFailed
 from kvgate.router.peers.warm_start import peer_urls
 from kvgate.router.settings.schema import parse_config
+from kvgate.router.upstream.client import EngineClient
 from tests import support
 from tests.fleets import fleet_of
 from tests.loopback_dns import LoopbackDns
@@ -168,7 +168,7 @@ async def test_a_reload_restarts_discovery_and_turning_it_off_drains_what_it_fou
     dns.set_a("other.test", ["127.0.0.3"])
     text = f"discovery: {{kind: dns, interval_s: 0.1, drain_timeout_s: 0, dns: {{name: NAME, nameservers: ['{dns.address}']}}}}"
     config = parse_config(text.replace("NAME", ZONE))
-    async with aiohttp.ClientSession() as session:
+    async with EngineClient(8) as session:
         fleet = fleet_of(config, session)
         discovery = Discovery(config.discovery, config.replicas, fleet)
         await discovery.start()

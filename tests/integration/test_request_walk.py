@@ -1,7 +1,7 @@
 """One streamed chat request through the gateway, traced: it visits each pipeline stage's module once, in order, the
 proxy (``router/upstream/``) calls nothing above it, and no layer calls one above it but through the API's pure
-functions. Run with ``-s`` to print the walk's figures (docs/design.md). The gateway runs in this process (uvicorn in the test's
-event loop) in front of a real ``kvgate sim`` replica, so the profile hook sees the whole request."""
+functions. Run with ``-s`` to print the walk's figures (docs/design.md). The gateway runs in this process (its server
+in the test's event loop) in front of a real ``kvgate sim`` replica, so the profile hook sees the whole request."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 import uvicorn
 
 from kvgate.loadgen.bench import free_port_block
-from kvgate.router.app.asgi import create_app
+from kvgate.router.app.gateway_app import GatewayApp
+from kvgate.router.app.server import build_server, serve
 from kvgate.router.settings.holder import ConfigHolder
 from tests.request_walk import WalkRecorder, upward_calls, visits, walk_summary
 from tests.support import Sim, start_sim, wait_until_async
@@ -34,11 +35,9 @@ async def gateway_url(tmp_path: Path) -> AsyncIterator[str]:
     serving: asyncio.Task[None] | None = None
     try:
         port = free_port_block(1)
-        app = create_app(ConfigHolder(str(sim.config_path)))
-        server = uvicorn.Server(uvicorn.Config(
-            app, host="127.0.0.1", port=port, loop="none", lifespan="on", log_config=None, access_log=False,
-        ))
-        serving = asyncio.create_task(server.serve())
+        app = GatewayApp(ConfigHolder(str(sim.config_path)))
+        server = build_server(app, "127.0.0.1", port)
+        serving = asyncio.create_task(serve(app, server))
         await wait_until_async(lambda: server.started or serving.done(), what="the in-process gateway")
         assert server.started
         yield f"http://127.0.0.1:{port}"
@@ -68,7 +67,7 @@ async def test_a_streamed_chat_visits_each_stage_once_in_order_and_the_proxy_cal
             await streamed_chat(client, "the traced request")
         finally:
             recorder.stop()
-    calls = recorder.request_calls("ProxiedEndpoints.__call__")
+    calls = recorder.request_calls("HttpProtocol._serve")
 
     stage_files = [f"router/pipeline/{stage}.py" for stage in STAGES]
     walked = visits([c.callee for c in calls if c.callee in stage_files])

@@ -104,15 +104,15 @@ def test_a_multipart_uploads_model_field_is_read() -> None:
         form_field(UPLOAD, "multipart/form-data", "model")  # no boundary
 
 
-def scope(*headers: tuple[bytes, bytes]) -> dict[str, object]:
-    return {"type": "http", "headers": list(headers)}
+def headers_of(*headers: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    return list(headers)
 
 
 def test_agentic_clients_session_headers_and_anthropic_keys_are_understood() -> None:
-    claude = ClientHeaders.of(scope((b"x-claude-code-session-id", b"cc-1"), (b"x-api-key", b"sk-ant")))
+    claude = ClientHeaders.of(headers_of((b"x-claude-code-session-id", b"cc-1"), (b"x-api-key", b"sk-ant")))
     assert (claude.session_id, claude.session_header, claude.authorization) == (
         "cc-1", "x-claude-code-session-id", "Bearer sk-ant")
-    both = ClientHeaders.of(scope((b"session_id", b"codex-1"), (b"x-session-id", b"mine"),
+    both = ClientHeaders.of(headers_of((b"session_id", b"codex-1"), (b"x-session-id", b"mine"),
                                   (b"authorization", b"Bearer k"), (b"x-api-key", b"other")))
     assert (both.session_id, both.authorization) == ("mine", "Bearer k")  # X-Session-ID first; Authorization wins
     assert responses.RESPONSES.session_of({"prompt_cache_key": "conv-9"}) == "conv-9"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 
-import aiohttp
 import pytest
 
 from kvgate.router.fleet.blindness import (
@@ -15,6 +14,7 @@ from kvgate.router.fleet.peer_work import PeerWork
 from kvgate.router.fleet.tickets import DispatchedWork, LoadTicket
 from kvgate.router.settings.schema import parse_config
 from kvgate.router.upstream.scrape import ScrapedLoad
+from kvgate.router.upstream.client import EngineClient
 from tests.fleets import fleet_of
 
 
@@ -106,7 +106,7 @@ async def run_fleet(
     gateway reads its end (a scrape later). Returns when the signal rose (seconds after the first request, None if
     never) and the largest unseen rate on a replica at the end."""
     clock = Clock()
-    async with aiohttp.ClientSession() as session:
+    async with EngineClient(8) as session:
         fleet = fleet_of(parse_config(CONFIG), session, clock)
         if peers_report:
             fleet.peer_work = PeerWork(1.0, clock)
@@ -170,7 +170,7 @@ async def test_a_quiet_fleet_decides_nothing() -> None:
     """Below the evidence floors the share is not judged: one request every 2 s here and two gateways' worth of
     unseen finishes elsewhere stay unjudged."""
     clock = Clock()
-    async with aiohttp.ClientSession() as session:
+    async with EngineClient(8) as session:
         fleet = fleet_of(parse_config(CONFIG), session, clock)
         finished = 0
         for i in range(600):

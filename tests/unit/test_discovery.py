@@ -6,7 +6,6 @@ import copy
 import json
 from collections.abc import AsyncIterator
 
-import aiohttp
 import msgspec
 import pytest
 
@@ -16,6 +15,7 @@ from kvgate.router.fleet.discovery.sync import FleetSync
 from kvgate.router.fleet.discovery.targets import Target
 from kvgate.router.fleet.state import Fleet
 from kvgate.router.settings.schema import KvgateConfig, parse_config
+from kvgate.router.upstream.client import EngineClient
 from tests.fleets import fleet_of
 from tests.kube_api import POD, make_pod, set_ready
 
@@ -34,7 +34,7 @@ def target(name: str, port: int = 9000, ready: bool = True, instance: str = "") 
 
 @pytest.fixture
 async def fleet() -> AsyncIterator[Fleet]:
-    async with aiohttp.ClientSession() as session:
+    async with EngineClient(8) as session:
         yield fleet_of(parse_config("replicas: [{name: static, url: 'http://127.0.0.1:9'}]"), session)
 
 

@@ -4,36 +4,28 @@ from __future__ import annotations
 
 import json
 
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
-from pydantic import BaseModel
+import httpx
 
 from kvgate.router.apis.anthropic import ANTHROPIC_ERRORS
 from kvgate.router.apis.responses import RESPONSES_ERRORS
-from kvgate.router.core.errors import OPENAI_ERRORS, ApiError, install_error_handlers
+from kvgate.router.app.routes import Routes
+from kvgate.router.core.errors import OPENAI_ERRORS, ApiError
+from kvgate.router.core.http import HttpRequest
+from tests.served import served
 
 
-class Item(BaseModel):
-    name: str
+def routes() -> Routes:
+    table = Routes()
 
-
-def app() -> FastAPI:
-    a = FastAPI()
-    install_error_handlers(a)
-
-    @a.get("/client-mistake")
-    async def client_mistake() -> None:
+    async def client_mistake(request: HttpRequest) -> None:
         raise ApiError(404, "The model `x` does not exist.", param="model", code="model_not_found")
 
-    @a.post("/validated")
-    async def validated(item: Item) -> dict[str, str]:
-        return {"name": item.name}
-
-    @a.get("/bug")
-    async def bug() -> None:
+    async def bug(request: HttpRequest) -> None:
         raise RuntimeError("a bug")
 
-    return a
+    table.add("GET", "/client-mistake", client_mistake)
+    table.add("GET", "/bug", bug)
+    return table
 
 
 def assert_openai_error(body: dict, status_type: str) -> dict:
@@ -87,17 +79,17 @@ def test_responses_stream_errors_are_error_events() -> None:
                                                           "message": "replica died", "param": None}
 
 
-def test_handlers_turn_every_failure_into_an_openai_error() -> None:
-    client = TestClient(app(), raise_server_exceptions=False)
-    r = client.get("/client-mistake")
-    assert r.status_code == 404
-    assert assert_openai_error(r.json(), "not_found_error")["param"] == "model"
-    r = client.get("/no-such-route")
-    assert r.status_code == 404 and assert_openai_error(r.json(), "not_found_error")
-    r = client.put("/client-mistake")
-    assert r.status_code == 405 and assert_openai_error(r.json(), "invalid_request_error")
-    r = client.post("/validated", json={"name": 3})
-    assert r.status_code == 422
-    assert assert_openai_error(r.json(), "invalid_request_error")["param"] == "name"
-    r = client.get("/bug")
-    assert r.status_code == 500 and assert_openai_error(r.json(), "internal_error")["code"] == "internal_error"
+async def test_the_server_turns_every_failure_into_an_openai_error() -> None:
+    async with served(routes()) as url, httpx.AsyncClient(base_url=url) as client:
+        r = await client.get("/client-mistake")
+        assert r.status_code == 404
+        assert assert_openai_error(r.json(), "not_found_error")["param"] == "model"
+        r = await client.get("/no-such-route")
+        assert r.status_code == 404 and assert_openai_error(r.json(), "not_found_error")
+        r = await client.put("/client-mistake")
+        assert r.status_code == 405 and assert_openai_error(r.json(), "invalid_request_error")
+        assert r.headers["allow"] == "GET, HEAD"
+        r = await client.head("/client-mistake")
+        assert r.status_code == 404 and r.content == b"" and int(r.headers["content-length"]) > 0
+        r = await client.get("/bug")
+        assert r.status_code == 500 and assert_openai_error(r.json(), "internal_error")["code"] == "internal_error"

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -19,6 +18,7 @@ from kvgate.router.fleet.tickets import DispatchedWork
 from kvgate.router.settings.schema import KvgateConfig, parse_config
 from kvgate.router.upstream.health import HealthState
 from kvgate.router.upstream.scrape import ScrapedLoad
+from kvgate.router.upstream.client import EngineClient
 from tests.fleets import fleet_of, reconfigure
 from tests.support import wait_until_async
 
@@ -66,12 +66,12 @@ def config(*names: str, extra: str = "") -> KvgateConfig:
 
 
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
+async def session() -> AsyncIterator[EngineClient]:
+    async with EngineClient(8) as s:
         yield s
 
 
-async def test_ticket_accounting_is_exact_and_idempotent(session: aiohttp.ClientSession) -> None:
+async def test_ticket_accounting_is_exact_and_idempotent(session: EngineClient) -> None:
     fleet = fleet_of(config("a"), session)
     r = fleet.replicas["a"]
     t1 = fleet.dispatch("a", 100)
@@ -92,7 +92,7 @@ async def test_ticket_accounting_is_exact_and_idempotent(session: aiohttp.Client
     assert r.breaker.consecutive_failures == 1
 
 
-async def test_failed_tickets_open_the_breaker(session: aiohttp.ClientSession) -> None:
+async def test_failed_tickets_open_the_breaker(session: EngineClient) -> None:
     fleet = fleet_of(config("a", extra="breaker: {failures_to_open: 2, open_s: 5}\n"), session)
     r = fleet.replicas["a"]
     r.healthy = True
@@ -103,7 +103,7 @@ async def test_failed_tickets_open_the_breaker(session: aiohttp.ClientSession) -
     assert fleet.routable() == []
 
 
-async def test_at_most_the_ejectable_fraction_of_the_fleet_is_ejected(session: aiohttp.ClientSession) -> None:
+async def test_at_most_the_ejectable_fraction_of_the_fleet_is_ejected(session: EngineClient) -> None:
     fleet = fleet_of(config("a", "b", "c", "d", extra="breaker: {failures_to_open: 1, max_ejected_fraction: 0.5}\n"),
                      session)
     for name in fleet.replicas:
@@ -113,7 +113,7 @@ async def test_at_most_the_ejectable_fraction_of_the_fleet_is_ejected(session: a
     assert len(fleet.routable()) == 2 and len(fleet.serving()) == 4  # readiness does not follow the circuits
 
 
-async def test_an_unblamed_failure_counts_once_blamed(session: aiohttp.ClientSession) -> None:
+async def test_an_unblamed_failure_counts_once_blamed(session: EngineClient) -> None:
     fleet = fleet_of(config("a", extra="breaker: {failures_to_open: 2}\n"), session)
     r = fleet.replicas["a"]
     tickets = [fleet.dispatch("a", 10) for _ in range(3)]
@@ -125,7 +125,7 @@ async def test_an_unblamed_failure_counts_once_blamed(session: aiohttp.ClientSes
     assert r.breaker.state == "open"
 
 
-async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter(session: aiohttp.ClientSession) -> None:
+async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter(session: EngineClient) -> None:
     clock = FakeClock()
     fleet = fleet_of(config("a"), session, clock=clock)
     r = fleet.replicas["a"]
@@ -144,7 +144,7 @@ async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter
     assert quiet.view("b", PrefixMatch()).arrival_rate_per_s == pytest.approx(2.0, rel=0.15)
 
 
-async def test_peers_work_adds_to_the_queue_and_the_arrival_rate(session: aiohttp.ClientSession) -> None:
+async def test_peers_work_adds_to_the_queue_and_the_arrival_rate(session: EngineClient) -> None:
     """Peer gateways' reports add to this gateway's own load: the engine's finish rate trails the arrivals while a
     queue builds, and an arrival rate too low prices a long prefill on a busy replica as cheap for its neighbours."""
     clock = FakeClock()
@@ -167,7 +167,7 @@ async def test_peers_work_adds_to_the_queue_and_the_arrival_rate(session: aiohtt
     assert fleet.view("b", PrefixMatch()).arrival_rate_per_s == 0.0
 
 
-async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> None:
+async def test_view_ignores_stale_scrapes(session: EngineClient) -> None:
     clock = FakeClock()
     fleet = fleet_of(config("a", extra="scrape: {stale_after_ms: 500}\n"), session, clock=clock)
     r = fleet.replicas["a"]
@@ -185,7 +185,7 @@ async def test_view_ignores_stale_scrapes(session: aiohttp.ClientSession) -> Non
 
 
 async def test_own_prefilling_is_bounded_by_what_the_engine_holds_and_what_was_sent_since(
-    session: aiohttp.ClientSession,
+    session: EngineClient,
 ) -> None:
     """Answers read whole count as prefilling until they are read (after their decode, and on a busy loop after the
     engine is done): the engine's own count at the last scrape, plus what was sent since, bounds them."""
@@ -217,7 +217,7 @@ async def test_own_prefilling_is_bounded_by_what_the_engine_holds_and_what_was_s
     assert fleet.view("a", PrefixMatch()).in_flight_prefilling == 4
 
 
-async def test_drain_stops_routing_but_keeps_the_cache_as_a_transfer_source(session: aiohttp.ClientSession) -> None:
+async def test_drain_stops_routing_but_keeps_the_cache_as_a_transfer_source(session: EngineClient) -> None:
     fleet = fleet_of(config("a", "b"), session)
     rec = Recorder()
     fleet.listeners.append(rec)
@@ -233,7 +233,7 @@ async def test_drain_stops_routing_but_keeps_the_cache_as_a_transfer_source(sess
         fleet.drain("nope")
 
 
-async def test_only_a_healthy_engine_with_a_closed_breaker_can_source(session: aiohttp.ClientSession) -> None:
+async def test_only_a_healthy_engine_with_a_closed_breaker_can_source(session: EngineClient) -> None:
     fleet = fleet_of(config("a", "b"), session)
     a, b = fleet.replicas.values()
     a.healthy, b.healthy = False, True
@@ -244,7 +244,7 @@ async def test_only_a_healthy_engine_with_a_closed_breaker_can_source(session: a
     assert b.breaker.state == "open" and not v.can_source and not v.healthy
 
 
-async def test_models_union_and_lora_base(session: aiohttp.ClientSession) -> None:
+async def test_models_union_and_lora_base(session: EngineClient) -> None:
     fleet = fleet_of(config("a", "b", "c"), session)
     a, b, c = fleet.replicas.values()
     a.healthy = b.healthy = True
@@ -260,7 +260,7 @@ async def test_models_union_and_lora_base(session: aiohttp.ClientSession) -> Non
     assert fleet.base_model_of("unknown") == ("unknown", None)
 
 
-async def test_apply_config_diffs_file_replicas_and_keeps_admin_ones(session: aiohttp.ClientSession) -> None:
+async def test_apply_config_diffs_file_replicas_and_keeps_admin_ones(session: EngineClient) -> None:
     fleet = fleet_of(config("a", "b", "c"), session)
     rec = Recorder()
     fleet.listeners.append(rec)
@@ -336,7 +336,7 @@ async def engine() -> AsyncIterator[tuple[FakeEngine, str]]:
 
 
 async def test_health_loop_marks_down_and_recovery_bumps_generation(
-    session: aiohttp.ClientSession, engine: tuple[FakeEngine, str]
+    session: EngineClient, engine: tuple[FakeEngine, str]
 ) -> None:
     eng, url = engine
     cfg = parse_config(
@@ -365,7 +365,7 @@ async def test_health_loop_marks_down_and_recovery_bumps_generation(
         await fleet.stop()
 
 
-async def test_added_replica_gets_probed(session: aiohttp.ClientSession, engine: tuple[FakeEngine, str]) -> None:
+async def test_added_replica_gets_probed(session: EngineClient, engine: tuple[FakeEngine, str]) -> None:
     _, url = engine
     fleet = fleet_of(parse_config("health: {interval_s: 10}\nscrape: {interval_ms: 20}\n"), session)
     await fleet.start()
@@ -389,7 +389,7 @@ def test_health_state_flips_only_after_streaks() -> None:
 
 
 async def test_a_moved_process_start_time_reports_a_restart_within_a_scrape(
-    session: aiohttp.ClientSession, engine: tuple[FakeEngine, str]
+    session: EngineClient, engine: tuple[FakeEngine, str]
 ) -> None:
     eng, url = engine
     eng.metrics = VLLM_METRICS + "process_start_time_seconds 1700000000.25\n"
@@ -418,7 +418,7 @@ async def test_a_moved_process_start_time_reports_a_restart_within_a_scrape(
 
 
 async def test_a_recovery_whose_scrape_fails_waits_for_the_engines_start_time(
-    session: aiohttp.ClientSession, engine: tuple[FakeEngine, str]
+    session: EngineClient, engine: tuple[FakeEngine, str]
 ) -> None:
     """The recovery tells the index the engine's process start time, which decides whether what the index learned
     while the replica was down is kept. A /metrics that does not answer at that moment (an engine busy on a small

@@ -5,20 +5,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import httpx
 import pytest
-from fastapi import FastAPI
 
-from kvgate.router.app.admin import build_admin_router
+from kvgate.router.app.admin import Admin
+from kvgate.router.app.routes import Routes
 from kvgate.router.core.auth import ADMIN_TOKEN_ENV
-from kvgate.router.core.errors import install_error_handlers
 from kvgate.router.core.metrics import GatewayMetrics
 from kvgate.router.fleet.state import Fleet
 from kvgate.router.routing.config import ParityConfig
 from kvgate.router.routing.parity import ParityMonitor
 from kvgate.router.settings.holder import ConfigHolder
+from kvgate.router.upstream.client import EngineClient
 from tests.fleets import fleet_of, reconfigure
+from tests.served import served
 
 CONFIG = """\
 server: {admin_token: s3cret}
@@ -37,18 +37,18 @@ async def admin(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Fleet,
     path = tmp_path / "kvgate.yaml"
     path.write_text(CONFIG)
     holder = ConfigHolder(path)
-    async with aiohttp.ClientSession() as session:
-        fleet = fleet_of(holder.current, session)
-        holder.subscribe(lambda config: reconfigure(fleet, config))
-        await fleet.start()
-        app = FastAPI()
-        install_error_handlers(app)
-        app.include_router(build_admin_router(fleet, holder, parity(), dict))
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgate") as client:
-                yield client, fleet, holder, path
-        finally:
-            await fleet.stop()
+    engines = EngineClient(8)
+    fleet = fleet_of(holder.current, engines)
+    holder.subscribe(lambda config: reconfigure(fleet, config))
+    await fleet.start()
+    routes = Routes()
+    Admin(fleet, holder, parity(), dict).add_routes(routes)
+    try:
+        async with served(routes) as url, httpx.AsyncClient(base_url=url) as client:
+            yield client, fleet, holder, path
+    finally:
+        await fleet.stop()
+        await engines.close()
 
 
 def assert_openai_error(resp: httpx.Response, status: int) -> dict:
@@ -75,16 +75,14 @@ async def test_admin_off_without_token_is_404(tmp_path: Path, monkeypatch: pytes
     path = tmp_path / "kvgate.yaml"
     path.write_text("replicas: [{name: a, url: 'http://127.0.0.1:9'}]\n")
     holder = ConfigHolder(path)
-    async with aiohttp.ClientSession() as session:
-        app = FastAPI()
-        install_error_handlers(app)
-        app.include_router(build_admin_router(fleet_of(holder.current, session), holder, parity(), dict))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://k") as client:
-            assert_openai_error(await client.get("/admin/replicas", headers=AUTH), 404)
-            assert_openai_error(await client.get("/admin/state", headers=AUTH), 404)
-            monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-env")
-            resp = await client.get("/admin/replicas", headers={"Authorization": "Bearer from-env"})
-            assert resp.status_code == 200
+    routes = Routes()
+    Admin(fleet_of(holder.current, EngineClient(8)), holder, parity(), dict).add_routes(routes)
+    async with served(routes) as url, httpx.AsyncClient(base_url=url) as client:
+        assert_openai_error(await client.get("/admin/replicas", headers=AUTH), 404)
+        assert_openai_error(await client.get("/admin/state", headers=AUTH), 404)
+        monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-env")
+        resp = await client.get("/admin/replicas", headers={"Authorization": "Bearer from-env"})
+        assert resp.status_code == 200
 
 
 async def test_add_drain_remove(admin) -> None:  # type: ignore[no-untyped-def]

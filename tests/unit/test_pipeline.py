@@ -14,12 +14,13 @@ from kvgate.router.pipeline.admit import Admission, ClientHeaders, resolve_tenan
 from kvgate.router.pipeline.errors import routing_errors
 from kvgate.router.pipeline.parse import parse, salt_for_tenant
 from kvgate.router.prompts.tokenizer import PromptError
+from kvgate.router.core.http import HttpRequest
 
 TENANTS = TenantResolver(TenantsConfig(api_keys={"sk-alice": "alice"}, salt_secret="s" * 32), {})
 
 
-def scope(*headers: tuple[bytes, bytes]) -> dict[str, object]:
-    return {"type": "http", "headers": list(headers)}
+def request(*headers: tuple[bytes, bytes]) -> HttpRequest:
+    return HttpRequest("POST", "/v1/completions", "", list(headers))
 
 
 class FakeFleet:
@@ -42,9 +43,9 @@ class FakeCatalog:
 
 
 def test_admission_takes_the_first_of_each_header_and_makes_an_id_when_none_came() -> None:
-    given = Admission.of(scope((b"x-request-id", b"abc"), (b"x-request-id", b"def"), (b"x-session-id", b"s1")))
+    given = Admission.of(request((b"x-request-id", b"abc"), (b"x-request-id", b"def"), (b"x-session-id", b"s1")))
     assert (given.request_id, given.client.session_id, given.client.authorization) == ("abc", "s1", None)
-    made, other = Admission.of(scope()), Admission.of(scope())
+    made, other = Admission.of(request()), Admission.of(request())
     assert len(made.request_id) == 32 and made.request_id != other.request_id
 
 

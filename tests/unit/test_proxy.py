@@ -1,5 +1,6 @@
-"""A request's attempts (kvgate.router.fleet.attempts, through kvgate.router.upstream.proxy) on a real fleet, against
-real loopback HTTP servers (aiohttp) standing in for engines."""
+"""A request's attempts (kvgate.router.fleet.attempts, through kvgate.router.upstream.proxy and its
+:class:`~kvgate.router.upstream.client.EngineClient`) on a real fleet, against real loopback HTTP servers (aiohttp)
+standing in for engines."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -21,10 +21,11 @@ from kvgate.router.fleet.attempts import NO_LOAD, Attempts
 from kvgate.router.fleet.config import ReplicaConfig
 from kvgate.router.fleet.state import Fleet
 from kvgate.router.fleet.tickets import LoadTicket
-from kvgate.router.pipeline.relay import StreamResult, relay_stream
+from kvgate.router.pipeline.relay import RelayStream, StreamResult
 from kvgate.router.routing.transfers import first_leg_body, prefill_for_transfer
 from kvgate.router.upstream.config import BreakerConfig, HealthConfig, ProxyConfig, ScrapeConfig
-from kvgate.router.upstream.proxy import AttemptFailed, Forward, Proxy, create_session, first_byte_deadline_s
+from kvgate.router.upstream.client import EngineClient
+from kvgate.router.upstream.proxy import AttemptFailed, Forward, Proxy, first_byte_deadline_s
 from tests.support import free_port_block
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -78,7 +79,7 @@ class FleetOn:
 def fleet_on(proxy: Proxy, urls: dict[str, str], down: frozenset[str] = frozenset()) -> FleetOn:
     """Replicas ``urls`` (name: base URL), healthy but for ``down``."""
     replicas = [ReplicaConfig(name=name, url=url) for name, url in urls.items()]
-    fleet = Fleet(replicas, proxy.session, health=HealthConfig(), scrape=ScrapeConfig(), breaker=BreakerConfig())
+    fleet = Fleet(replicas, proxy.client, health=HealthConfig(), scrape=ScrapeConfig(), breaker=BreakerConfig())
     for name, replica in fleet.replicas.items():
         replica.healthy = name not in down
     metrics = GatewayMetrics()
@@ -117,9 +118,9 @@ async def engines() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
 @pytest.fixture
 async def proxy() -> AsyncIterator[Proxy]:
     config = ProxyConfig(connect_timeout_s=1.0, first_byte_timeout_s=0.5, backoff_base_ms=1, backoff_max_ms=2)
-    session = create_session(config)
-    yield Proxy(session, config)
-    await session.close()
+    client = EngineClient(config.pool_size_per_replica)
+    yield Proxy(client, config)
+    await client.close()
 
 
 def closed_port_url() -> str:
@@ -198,8 +199,10 @@ def sse(*events: dict) -> list[bytes]:
 
 async def collect(up, results: list[StreamResult]) -> bytes:  # type: ignore[no-untyped-def]
     out = b""
-    async for chunk in relay_stream(up, CHAT, results.append):
+    relay = RelayStream(up, CHAT, results.append)
+    async for chunk in relay:
         out += chunk
+    await relay.aclose()
     return out
 
 
@@ -284,7 +287,7 @@ async def test_closing_the_relay_early_closes_the_upstream_connection(proxy: Pro
     d = fleet_on(proxy, {"s": await engines(endless)})
     up = await d.attempts.forward(forward(["s"], stream=True))
     results: list[StreamResult] = []
-    relay = relay_stream(up, CHAT, results.append)
+    relay = RelayStream(up, CHAT, results.append)
     await relay.__anext__()
     await relay.__anext__()
     await relay.aclose()
@@ -304,11 +307,13 @@ async def test_upstream_sockets_have_tcp_nodelay(proxy: Proxy, engines) -> None:
         return resp
 
     url = await engines(held_body)
-    async with proxy.session.post(url + "/v1/completions", json={}) as resp:
-        sock = resp.connection.transport.get_extra_info("socket")  # type: ignore[union-attr]
-        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
-        socket_checked.set()
-        await resp.read()
+    resp = await proxy.client.request("POST", url + "/v1/completions", body=b"{}", connect_timeout_s=1.0)
+    connection = resp._connection
+    assert connection is not None and connection.transport is not None
+    sock = connection.transport.get_extra_info("socket")
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    socket_checked.set()
+    assert await resp.read() == b"done"
 
 
 async def test_transfer_first_leg_returns_the_sources_kv_transfer_params(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
@@ -410,13 +415,28 @@ async def test_session_passes_bodies_through_undecoded(engines) -> None:  # type
     async def gz(request: web.Request) -> web.Response:
         return web.Response(body=b"\x1f\x8b-not-really", headers={"Content-Encoding": "gzip"})
 
-    session = create_session(ProxyConfig())
-    try:
-        async with session.post(await engines(gz)) as resp:
-            assert await resp.read() == b"\x1f\x8b-not-really"
-    finally:
-        await session.close()
-    assert isinstance(session, aiohttp.ClientSession)
+    async with EngineClient(4) as client:
+        resp = await client.request("POST", await engines(gz), body=b"{}", connect_timeout_s=1.0)
+        assert await resp.read() == b"\x1f\x8b-not-really"
+        assert resp.header("content-encoding") == "gzip"
+
+
+async def test_a_relay_closed_before_its_first_chunk_still_reports_its_end(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
+    """A client that leaves before its stream was started: the server only closes the relay, which must still let
+    go of the upstream and say how the stream ended (its load ticket and its request log line depend on that)."""
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        while True:
+            await resp.write(sse({"id": "x", "choices": [{"text": "a"}]})[0])
+            await asyncio.sleep(0.01)
+
+    d = fleet_on(proxy, {"s": await engines(endless)})
+    up = await d.attempts.forward(forward(["s"], stream=True))
+    results: list[StreamResult] = []
+    await RelayStream(up, CHAT, results.append).aclose()
+    assert [r.end for r in results] == ["client_disconnect"]
+    assert up.response.complete is False and up.response._connection is None
 
 
 async def test_a_client_leaving_after_done_has_the_whole_answer(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
@@ -436,7 +456,7 @@ async def test_a_client_leaving_after_done_has_the_whole_answer(proxy: Proxy, en
     d = fleet_on(proxy, {"s": await engines(lingering)})
     up = await d.attempts.forward(forward(["s"], stream=True))
     results: list[StreamResult] = []
-    relay = relay_stream(up, CHAT, results.append)
+    relay = RelayStream(up, CHAT, results.append)
     seen = b""
     while b"[DONE]" not in seen:
         seen += await relay.__anext__()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvgate.router.upstream.client import EngineClient
 from kvgate.router.upstream.scrape import METRICS_PATH, NO_COMPRESSION, parse_metrics, scrape_metrics
 
 # Shaped after vLLM 0.33's /metrics with two data-parallel engines (trimmed histograms; same syntax as the real page).
@@ -141,21 +141,22 @@ def prometheus_engine() -> Iterator[str]:
         thread.join(5)
 
 
-async def test_scrape_against_prometheus_exposition_with_a_passthrough_session(prometheus_engine: str) -> None:
-    # The gateway's upstream session does not decompress; prometheus_client gzips for clients that accept it.
-    async with aiohttp.ClientSession(auto_decompress=False) as session:
-        load = await scrape_metrics(session, prometheus_engine, 2.0, clock=lambda: 7.0)
+async def test_scrape_against_prometheus_exposition(prometheus_engine: str) -> None:
+    # The gateway decompresses nothing; prometheus_client gzips only for clients that accept it.
+    async with EngineClient(4) as client:
+        load = await scrape_metrics(client, prometheus_engine, 2.0, clock=lambda: 7.0)
         assert load is not None
         assert (load.at, load.waiting, load.running, load.kv_usage) == (7.0, 6, 2, 0.5)
         assert (load.block_size, load.num_gpu_blocks, load.finished) == (16, 900, 3.0)
-        async with session.get(prometheus_engine + METRICS_PATH, headers=NO_COMPRESSION) as resp:
-            body = await resp.text()
+        answer = await client.fetch("GET", prometheus_engine + METRICS_PATH, NO_COMPRESSION, timeout_s=2.0)
+        body = answer.body.decode()
+        assert answer.header("content-encoding") is None
         assert "vllm:num_requests_waiting" in body and "time_to_first_token" not in body  # rendered server-side
 
 
 async def test_scrape_of_a_dead_engine_is_none() -> None:
-    async with aiohttp.ClientSession() as session:
-        assert await scrape_metrics(session, "http://127.0.0.1:9", 0.5, clock=lambda: 0.0) is None
+    async with EngineClient(4) as client:
+        assert await scrape_metrics(client, "http://127.0.0.1:9", 0.5, clock=lambda: 0.0) is None
 
 
 def test_the_process_start_time_is_read_when_exported() -> None:

@@ -14,20 +14,20 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from fastapi import FastAPI
 
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.match import Tier
 from kvgate.loadgen.sim.wire import BlockStored, KVEventBatch
 from kvgate.router.app.admin import (
-    MAX_STATE_MODELS, MAX_STATE_PEERS, MAX_STATE_QUEUES, MAX_STATE_REPLICAS, MAX_STATE_STREAMS, admission_state,
-    build_admin_router, state_dump,
+    MAX_STATE_MODELS, MAX_STATE_PEERS, MAX_STATE_QUEUES, MAX_STATE_REPLICAS, MAX_STATE_STREAMS, Admin,
+    admission_state, state_dump,
 )
-from kvgate.router.core.errors import install_error_handlers
+from kvgate.router.app.routes import Routes
 from kvgate.router.fleet.blindness import MAX_NAMED_REPLICAS, Observation
 from kvgate.router.gateway import Gateway
 from kvgate.router.peers.hints import MAX_HEARD_SENDERS, Work
 from kvgate.router.settings.holder import ConfigHolder
+from tests.served import served
 
 REPLICAS = 600
 MODELS_PER_REPLICA = 50
@@ -75,11 +75,9 @@ async def filled(tmp_path: Path) -> AsyncIterator[tuple[Gateway, httpx.AsyncClie
         names = list(gateway.fleet.replicas)
         for t in range(30):
             gateway.fleet.blindness.update(float(t), Observation(30.0, 10.0, 10.0), names)
-        app = FastAPI()
-        install_error_handlers(app)
-        app.include_router(build_admin_router(gateway.fleet, gateway.holder, gateway.parity,
-                                              lambda: state_dump(gateway)))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvgate") as client:
+        routes = Routes()
+        Admin(gateway.fleet, gateway.holder, gateway.parity, lambda: state_dump(gateway)).add_routes(routes)
+        async with served(routes) as url, httpx.AsyncClient(base_url=url) as client:
             yield gateway, client, keys
     finally:
         await gateway.stop()

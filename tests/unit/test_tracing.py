@@ -137,27 +137,27 @@ def test_the_tracestate_validator_never_raises_and_accepts_only_what_the_grammar
     assert valid_tracestate(value) == oracle_tracestate(value)
 
 
-def scope(*headers: tuple[bytes, bytes]) -> dict[str, object]:
-    return {"type": "http", "headers": list(headers)}
+def headers_of(*headers: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    return list(headers)
 
 
 def test_a_repeated_traceparent_is_dropped_and_repeated_tracestates_are_one_list() -> None:
-    twice = ClientHeaders.of(scope((b"traceparent", VALID.encode()), (b"traceparent", VALID.encode())))
+    twice = ClientHeaders.of(headers_of((b"traceparent", VALID.encode()), (b"traceparent", VALID.encode())))
     assert twice.traceparent is None
-    joined = ClientHeaders.of(scope((b"traceparent", VALID.encode()), (b"tracestate", b"a=1"), (b"tracestate", b"b=2")))
+    joined = ClientHeaders.of(headers_of((b"traceparent", VALID.encode()), (b"tracestate", b"a=1"), (b"tracestate", b"b=2")))
     assert joined.traceparent is not None and joined.tracestate == "a=1,b=2"
     assert client_trace_context("junk", "a=1") == (None, None)  # no tracestate without a valid traceparent
     assert client_trace_context(VALID, "A=1")[1] is None
 
 
 def test_tracing_off_passes_a_valid_client_context_on_unchanged_and_nothing_else() -> None:
-    client = ClientHeaders.of(scope((b"traceparent", VALID.encode()), (b"tracestate", b"congo=t61rcWkgMzE")))
+    client = ClientHeaders.of(headers_of((b"traceparent", VALID.encode()), (b"tracestate", b"congo=t61rcWkgMzE")))
     headers = upstream_headers(client, "rid", tenants_enabled=False)
     assert (headers["traceparent"], headers["tracestate"]) == (VALID, "congo=t61rcWkgMzE")
-    junk = ClientHeaders.of(scope((b"traceparent", b"00-xyz"), (b"tracestate", b"congo=t61rcWkgMzE")))
+    junk = ClientHeaders.of(headers_of((b"traceparent", b"00-xyz"), (b"tracestate", b"congo=t61rcWkgMzE")))
     assert "traceparent" not in upstream_headers(junk, "rid", False) and "tracestate" not in upstream_headers(
         junk, "rid", False)
-    none = upstream_headers(ClientHeaders.of(scope()), "rid", False)
+    none = upstream_headers(ClientHeaders.of(headers_of()), "rid", False)
     assert none == {"content-type": "application/json", "x-request-id": "rid"}
     # Traced, each attempt sends its own span's context instead (test_attempts_are_spans_the_engine_continues).
     assert "traceparent" not in upstream_headers(client, "rid", False, traced=True)
@@ -222,7 +222,7 @@ def tracer_with(exporter: InMemorySpanExporter, config: TracingConfig = TracingC
 
 
 def begin(tracer: RequestTracer, traceparent: str | None = None) -> RequestTrace:
-    client = ClientHeaders.of(scope(*([(b"traceparent", traceparent.encode())] if traceparent else [])))
+    client = ClientHeaders.of(headers_of(*([(b"traceparent", traceparent.encode())] if traceparent else [])))
     return tracer.begin("POST", "/v1/chat/completions", "/v1/chat/completions", client.traceparent, None, "rid")
 
 

@@ -1,0 +1,177 @@
+"""A request and a streamed answer as kvgate's own HTTP server (:mod:`kvgate.router.app.protocol`) and its endpoints
+share them: no ASGI messages, no framework objects on the request path.
+
+The server starts an endpoint as soon as a request's headers are in, so an endpoint can refuse a request (a bad key,
+a body declared too large) before its body is read; the body is fed to the :class:`HttpRequest` as it arrives and
+read with :meth:`HttpRequest.chunks`, usually whole already by then. A client that leaves is told to the request,
+which cancels the task it guards (:meth:`HttpRequest.guard`); what an endpoint answers is a Starlette ``Response``
+(its status, headers and body are written as they are) or a :class:`StreamedAnswer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Protocol
+from urllib.parse import parse_qs
+
+
+class ClientLeft(Exception):
+    """The client closed its connection before the request's body arrived in full."""
+
+
+class HttpRequest:
+    """One request: method, path, query and headers as received (names in lower case), and its body as it arrives.
+
+    ``route`` is the path template the server matched (``/v1/responses/{response_id}``), for span names."""
+
+    __slots__ = ("method", "path", "query", "headers", "route", "params", "on_wait", "_chunks", "_fed", "_taken",
+                 "_complete", "_waiter", "_left", "_left_waiter", "_guard", "_cancelled")
+
+    def __init__(self, method: str, path: str, query: str, headers: list[tuple[bytes, bytes]], route: str = "",
+                 params: Mapping[str, str] | None = None) -> None:
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.route = route or path
+        self.params: Mapping[str, str] = params or {}
+        """The route's path parameters (``response_id``)."""
+        self.on_wait: Callable[[], None] | None = None
+        """Called each time a reader waits for more of the body (the server then reads again, and says ``100
+        Continue`` to a client that waits for it)."""
+        self._chunks: list[bytes] = []
+        self._fed = 0
+        self._taken = 0
+        self._complete = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._left = False
+        self._left_waiter: asyncio.Future[None] | None = None
+        self._guard: asyncio.Task[object] | None = None
+        self._cancelled = False
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (lower case), or None."""
+        key = name.encode("latin-1")
+        for header, value in self.headers:
+            if header == key:
+                return value.decode("latin-1")
+        return None
+
+    def query_param(self, name: str) -> str | None:
+        """The first value of query parameter ``name``, or None."""
+        if not self.query:
+            return None
+        values = parse_qs(self.query, keep_blank_values=True).get(name)
+        return values[0] if values else None
+
+    @property
+    def left(self) -> bool:
+        """Whether the client has closed its connection."""
+        return self._left
+
+    @property
+    def complete(self) -> bool:
+        """Whether the whole body has arrived."""
+        return self._complete
+
+    def received(self) -> list[bytes]:
+        """The body's chunks that have arrived (all of it once :attr:`complete`)."""
+        return self._chunks
+
+    @property
+    def unread_bytes(self) -> int:
+        """Body bytes that have arrived and that no reader has taken yet."""
+        return self._fed - self._taken
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body's chunks, those already in first, then each as it arrives. Raises :class:`ClientLeft` when the
+        client leaves first."""
+        sent = 0
+        while True:
+            while sent < len(self._chunks):
+                chunk = self._chunks[sent]
+                sent += 1
+                self._taken += len(chunk)
+                yield chunk
+            if self._complete:
+                return
+            if self._left:
+                raise ClientLeft
+            if self.on_wait is not None:
+                self.on_wait()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    def guard(self) -> bool:
+        """From now until :meth:`unguard`, the calling task is cancelled the moment the client leaves; False (and
+        nothing guarded) when it has left already."""
+        if self._left:
+            return False
+        self._guard = asyncio.current_task()
+        return True
+
+    def unguard(self) -> bool:
+        """Stop guarding; True when the client's leaving cancelled the guarded task (which should then
+        ``uncancel()``: the cancellation was this request's, not its caller's)."""
+        self._guard = None
+        fired, self._cancelled = self._cancelled, False
+        return fired
+
+    async def until_left(self) -> None:
+        """Return once the client has closed its connection."""
+        if not self._left:
+            self._left_waiter = asyncio.get_running_loop().create_future()
+            await self._left_waiter
+
+    # called by the server
+
+    def feed(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+        self._fed += len(chunk)
+        self._wake()
+
+    def finish(self) -> None:
+        self._complete = True
+        self._wake()
+
+    def leave(self) -> None:
+        """The client closed its connection: a guarded wait is cancelled, a body still awaited raises."""
+        if self._left:
+            return
+        self._left = True
+        self._wake()
+        if self._left_waiter is not None and not self._left_waiter.done():
+            self._left_waiter.set_result(None)
+        if self._guard is not None and not self._cancelled:
+            self._cancelled = True
+            self._guard.cancel()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class Chunks(Protocol):
+    """A streamed answer's body: chunks to iterate, and ``aclose`` to release what produces them."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class StreamedAnswer:
+    """An answer whose body is written as ``chunks`` yields it (chunked), with its status and headers first. The
+    server closes ``chunks`` (``aclose``) however the answer ends, so what the iterator holds (an upstream connection)
+    is released at once, and a client that leaves mid-stream cancels the iteration."""
+
+    __slots__ = ("status_code", "headers", "chunks")
+
+    def __init__(self, status_code: int, headers: Mapping[str, str], chunks: Chunks) -> None:
+        self.status_code = status_code
+        self.headers = headers
+        self.chunks = chunks
