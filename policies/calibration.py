@@ -13,9 +13,10 @@ shows no first token, only a bound on it (its whole time), which counts where th
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvgate.policies.config import CalibrationConfig, PrefillCost
 
@@ -26,6 +27,8 @@ MIN_TOKEN_SPREAD = 64
 MIN_QUEUE_SPREAD_MS = 10.0
 """Below this spread of the work counted ahead (ms), the queue scale is not identifiable: it is kept."""
 MAX_ITERATIONS = 50
+MAX_CONDITION = 1e12
+"""Normal equations worse conditioned than this are treated as singular: the fit stops where it is."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,11 +152,10 @@ class Calibrator:
 
     def _refit(self) -> None:
         base = self.base
-        tokens = [x for x, _, _ in self._samples]
-        ahead = [q for _, q, _ in self._samples]
-        ttfts = [y for _, _, y in self._samples]
-        free = (True, max(tokens) - min(tokens) >= MIN_TOKEN_SPREAD, max(ahead) - min(ahead) >= MIN_QUEUE_SPREAD_MS)
-        fixed, per_token, scale = _huber_fit([tokens, ahead], ttfts, (base.per_token_ms, base.queue_scale), free)
+        samples = np.array(self._samples, dtype=float)
+        tokens, ahead, ttfts = samples[:, 0], samples[:, 1], samples[:, 2]
+        free = (True, np.ptp(tokens) >= MIN_TOKEN_SPREAD, np.ptp(ahead) >= MIN_QUEUE_SPREAD_MS)
+        fixed, per_token, scale = _huber_fit(samples[:, :2], ttfts, (base.per_token_ms, base.queue_scale), free)
         low, high = 1 - self.config.max_change, 1 + self.config.max_change
         clamped_fixed = min(max(fixed, base.fixed_ms * low, 0.0), base.fixed_ms * high)
         clamped_slope = min(max(per_token, base.per_token_ms * low, 0.0), base.per_token_ms * high)
@@ -165,9 +167,10 @@ class Calibrator:
 
 
 def _huber_fit(
-    columns: list[list[float]], ys: list[float], start: tuple[float, ...], free: tuple[bool, ...],
+    columns: np.ndarray, ys: np.ndarray, start: tuple[float, ...], free: tuple[bool, ...],
 ) -> tuple[float, ...]:
-    """Huber M-estimate of ``y = a + Σ bⱼ·xⱼ`` (``columns`` are the xⱼ) by iteratively reweighted least squares.
+    """Huber M-estimate of ``y = a + Σ bⱼ·xⱼ`` (``columns``' columns are the xⱼ) by iteratively reweighted least
+    squares.
 
     Only the coefficients marked ``free`` (the intercept first, then one per column) are estimated; the others keep
     their ``start`` values. In two passes: the intercept and the first slope from a robust guess (the start slopes,
@@ -175,60 +178,42 @@ def _huber_fit(
     are free, all of them from that fit with its scale held. Held, the scale cannot grow towards a cluster of late
     samples that a free slope would otherwise chase (a queue scale turned negative to fit stalls at an empty queue).
     """
-    n = len(ys)
-    rows = [[1.0, *(col[i] for col in columns)] for i in range(n)]
-    coef = [statistics.median(y - sum(b * x for b, x in zip(start, row[1:])) for y, row in zip(ys, rows)), *start]
+    rows = np.column_stack((np.ones(len(ys)), columns))
+    slopes = np.array(start, dtype=float)
+    coef = np.concatenate(([np.median(ys - columns @ slopes)], slopes))
     coef, scale = _irls(rows, ys, coef, [j for j in range(2) if free[j]], None)
     if any(free[2:]):
         coef, _ = _irls(rows, ys, coef, [j for j, f in enumerate(free) if f], scale)
-    return tuple(coef)
+    return tuple(float(c) for c in coef)
 
 
 def _irls(
-    rows: list[list[float]], ys: list[float], coef: list[float], fitted: list[int], held_scale: float | None,
-) -> tuple[list[float], float]:
+    rows: np.ndarray, ys: np.ndarray, coef: np.ndarray, fitted: list[int], held_scale: float | None,
+) -> tuple[np.ndarray, float]:
     """Huber IRLS of the ``fitted`` coefficients from ``coef``; the fit and the last residual scale."""
     scale = 0.0
+    held = [j for j in range(len(coef)) if j not in fitted]
+    x = rows[:, fitted]
     for _ in range(MAX_ITERATIONS):
-        residuals = [y - sum(c * x for c, x in zip(coef, row)) for y, row in zip(ys, rows)]
+        residuals = ys - rows @ coef
         if held_scale is None:
-            centre = statistics.median(residuals)
-            scale = 1.4826 * statistics.median(abs(r - centre) for r in residuals)
+            scale = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
         else:
             scale = held_scale
         cutoff = HUBER_K * scale if scale > 0 else 1e-9
-        weights = [1.0 if abs(r) <= cutoff else cutoff / abs(r) for r in residuals]
+        size = np.abs(residuals)
+        weights = np.where(size <= cutoff, 1.0, cutoff / np.maximum(size, 1e-300))
         # Weighted normal equations for the fitted coefficients, the others' share taken off each y.
-        targets = [y - sum(coef[j] * row[j] for j in range(len(coef)) if j not in fitted) for y, row in zip(ys, rows)]
-        matrix = [[sum(w * row[j] * row[k] for w, row in zip(weights, rows)) for k in fitted] for j in fitted]
-        vector = [sum(w * row[j] * t for w, row, t in zip(weights, rows, targets)) for j in fitted]
-        solved = _solve(matrix, vector)
-        if solved is None:
-            break
-        new = list(coef)
-        for j, value in zip(fitted, solved):
-            new[j] = value
-        converged = all(abs(a - b) < 1e-9 * max(1.0, abs(a)) for a, b in zip(new, coef))
+        targets = ys - rows[:, held] @ coef[held]
+        weighted = x * weights[:, None]
+        matrix = weighted.T @ x
+        if not np.isfinite(matrix).all() or np.linalg.cond(matrix) > MAX_CONDITION:
+            break  # singular: the data cannot tell these coefficients apart
+        solved = np.linalg.solve(matrix, weighted.T @ targets)
+        new = coef.copy()
+        new[fitted] = solved
+        converged = bool(np.all(np.abs(new - coef) < 1e-9 * np.maximum(1.0, np.abs(new))))
         coef = new
         if converged:
             break
     return coef, scale
-
-
-def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
-    """``matrix · x = vector`` by Gaussian elimination with partial pivoting; None when singular."""
-    size = len(vector)
-    a = [row[:] + [v] for row, v in zip(matrix, vector)]
-    for col in range(size):
-        pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-12:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, size):
-            factor = a[r][col] / a[col][col]
-            for c in range(col, size + 1):
-                a[r][c] -= factor * a[col][c]
-    x = [0.0] * size
-    for r in range(size - 1, -1, -1):
-        x[r] = (a[r][size] - sum(a[r][c] * x[c] for c in range(r + 1, size))) / a[r][r]
-    return x
