@@ -1,7 +1,7 @@
 """The gateway's Prometheus metrics, on a registry owned by the app (several apps can live in one test process).
 
-Request-path metrics are updated as requests complete, through children resolved once here (an increment, never a
-label lookup for a fixed label set). Everything that is already counted elsewhere (the fleet's in-flight numbers and
+Request-path metrics are counted on the event loop without locks (:class:`LoopCounter`, :class:`LoopHistogram`) and
+exported when scraped. Everything that is already counted elsewhere (the fleet's in-flight numbers and
 breaker states, the index's and ingestor's counters, the tokenizer's counters, the cost model's coefficients, reload
 and replication counters) is read at scrape time by collectors, so the request path pays nothing for it.
 
@@ -12,19 +12,20 @@ engines do not report prefill time, so "what caching paid" is the model's prefil
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from itertools import accumulate
+from typing import Any, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvgate.cache_index.ingest import DROP_REASONS
 
 log = logging.getLogger(__name__)
-
-M = TypeVar("M", Counter, Histogram)
 
 disable_created_metrics()  # process-wide: the *_created series double every counter's output and nobody reads them
 
@@ -39,20 +40,90 @@ TRANSFER_KINDS = ("transfer", "disaggregated")
 disaggregated request's prefill leg on a prefill replica."""
 
 
-class LabelledChildren(Generic[M]):
-    """A labelled metric whose children are kept in a dict by label values once resolved: ``labels()`` checks and
-    converts its arguments and takes a lock on every call, and the request path asks for the same few label sets
-    (replica, status, decision reason) over and over. Children appear on first use, exactly as with ``labels()``."""
+class LoopCounter(Collector):
+    """A counter, with or without labels, counted on the event loop and exported when scraped.
 
-    def __init__(self, metric: M) -> None:
-        self.metric = metric
-        self._children: dict[tuple[str, ...], M] = {}
+    prometheus_client's ``Counter`` takes a lock on every increment and checks its arguments on every ``labels()``;
+    the request path increments several counters per request, all from the event loop (as ``/metrics`` reads them),
+    so here an increment is an addition to a float and a label set a dictionary look-up."""
 
-    def labels(self, *values: str) -> M:
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
+                 registry: CollectorRegistry | None = None) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.value = 0.0
+        self._children: dict[tuple[str, ...], LoopCounter] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> LoopCounter:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self.metric.labels(*values)
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes {len(self.labelnames)} label values")
+            child = self._children[values] = LoopCounter(self.name, self.documentation)
         return child
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames or None)]
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.labelnames:
+            yield CounterMetricFamily(self.name, self.documentation, value=self.value)
+            return
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            family.add_metric(values, child.value)
+        yield family
+
+
+class LoopHistogram(Collector):
+    """A histogram, with or without labels, observed on the event loop and exported when scraped (as
+    :class:`LoopCounter`: no lock; the bucket found by bisection, not by a scan of the bounds)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
+                 buckets: Sequence[float], registry: CollectorRegistry | None = None) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.bounds) + 1)
+        """Observations per bucket (not cumulative), the last one's above every bound."""
+        self.sum = 0.0
+        self._children: dict[tuple[str, ...], LoopHistogram] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> LoopHistogram:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes {len(self.labelnames)} label values")
+            child = self._children[values] = LoopHistogram(self.name, self.documentation, buckets=self.bounds)
+        return child
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames or None)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames or None)
+        children = self._children.items() if self.labelnames else [((), self)]
+        for values, child in children:
+            family.add_metric(list(values), child._buckets(), child.sum)
+        yield family
+
+    def _buckets(self) -> list[tuple[str, float]]:
+        cumulative = list(accumulate(self.counts))
+        return [(floatToGoString(bound), float(n)) for bound, n in zip(self.bounds, cumulative)] + \
+            [("+Inf", float(cumulative[-1]))]
 
 
 class GatewayMetrics:
@@ -61,90 +132,90 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.requests = LabelledChildren(Counter(
+        self.requests = LoopCounter(
             "kvgate_requests", "Requests answered, by replica, HTTP status and routing decision reason.",
             ["replica", "status", "decision"], registry=r,
-        ))
-        self.rejections = Counter(
+        )
+        self.rejections = LoopCounter(
             "kvgate_rejections", "Requests kvgate answered itself with an error (bad input, auth, no replica).",
             ["reason"], registry=r,
         )
-        self.retries = Counter(
+        self.retries = LoopCounter(
             "kvgate_retries", "Upstream attempts retried on another replica, by cause.", ["cause"], registry=r
         )
-        self.upstream_failures = LabelledChildren(Counter(
+        self.upstream_failures = LoopCounter(
             "kvgate_upstream_failures", "Upstream attempts that failed before any byte reached the client, by "
             "replica and cause (timeout: no first byte within the deadline; connect; disconnect; status_5xx/429).",
             ["replica", "cause"], registry=r,
-        ))
-        self.stream_errors = Counter(
+        )
+        self.stream_errors = LoopCounter(
             "kvgate_stream_errors", "Streams ended with an error event after the first byte reached the client.",
             registry=r,
         )
-        self.client_disconnects = Counter(
+        self.client_disconnects = LoopCounter(
             "kvgate_client_disconnects", "Requests whose client left before the response completed.", registry=r
         )
-        self.decisions = LabelledChildren(Counter(
+        self.decisions = LoopCounter(
             "kvgate_decisions", "Routing decisions by action and reason.", ["action", "reason"], registry=r
-        ))
-        self.ttft = LabelledChildren(Histogram(
+        )
+        self.ttft = LoopHistogram(
             "kvgate_ttft_seconds", "Time to first token (first streamed chunk; streaming requests only).",
             ["cache"], buckets=LATENCY_BUCKETS, registry=r,
-        ))
-        self.e2e = LabelledChildren(Histogram(
+        )
+        self.e2e = LoopHistogram(
             "kvgate_e2e_seconds", "End-to-end request latency as seen by kvgate.", ["cache"],
             buckets=LATENCY_BUCKETS, registry=r,
-        ))
-        self.route_seconds = Histogram(
+        )
+        self.route_seconds = LoopHistogram(
             "kvgate_route_seconds", "Time to tokenize, look up and decide (before any upstream call).",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5), registry=r,
         )
-        self.lookup_seconds = Histogram(
+        self.lookup_seconds = LoopHistogram(
             "kvgate_index_lookup_seconds", "Prefix-index lookup of one prompt's block keys (the lookup alone).",
             buckets=LOOKUP_BUCKETS, registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = LoopCounter(
             "kvgate_prompt_tokens", "Prompt tokens of completed requests (engine-reported usage).", registry=r
         )
-        self.cached_tokens = Counter(
+        self.cached_tokens = LoopCounter(
             "kvgate_cached_tokens", "Prompt tokens the engine served from its prefix cache (usage).", registry=r
         )
-        self.matched_tokens = Histogram(
+        self.matched_tokens = LoopHistogram(
             "kvgate_matched_tokens", "Leading prompt tokens the index matched on the replica that served the "
             "request, per completed request.", buckets=TOKEN_BUCKETS, registry=r,
         )
-        self.prefill_avoided = Counter(
+        self.prefill_avoided = LoopCounter(
             "kvgate_prefill_avoided_seconds", "Prefill the engines skipped on completed requests, priced at "
             "completion by the cost model from the engine's usage cached tokens (the index's match when the "
             "response carried no usage).", registry=r,
         )
-        self.parity_prompt = LabelledChildren(Counter(
+        self.parity_prompt = LoopCounter(
             "kvgate_parity_prompt_tokens", "Answered requests whose prompt kvgate tokenized itself, by model, API and "
             "whether its prompt token count equals the engine's (match, mismatch): a mismatch means its block keys "
             "are not the engine's.", ["model", "api", "result"], registry=r,
-        ))
-        self.parity_cached = LabelledChildren(Counter(
+        )
+        self.parity_cached = LoopCounter(
             "kvgate_parity_cached_tokens", "Answered requests whose engine reported cached tokens, by model, API and "
             "how kvgate's credit compared (match within a block; credited_not_reused: kvgate counted on a cache the "
             "engine did not use; reused_not_credited).", ["model", "api", "result"], registry=r,
-        ))
-        self.admission_wait = LabelledChildren(Histogram(
+        )
+        self.admission_wait = LoopHistogram(
             "kvgate_admission_wait_seconds", "Time requests waited at the gateway for capacity (released ones), by "
             "priority band and tenant.", ["band", "tenant"], buckets=LATENCY_BUCKETS, registry=r,
-        ))
-        self.admission_refusals = LabelledChildren(Counter(
+        )
+        self.admission_refusals = LoopCounter(
             "kvgate_admission_refusals", "Requests admission refused or lost, by reason: rate_limit_requests, "
             "rate_limit_tokens, rate_limit_concurrency (429); queue_full, deadline (503); client_left (the client "
             "went away while it waited).", ["reason"], registry=r,
-        ))
-        self.admission_tokens = LabelledChildren(Counter(
+        )
+        self.admission_tokens = LoopCounter(
             "kvgate_admission_admitted_tokens", "Prompt tokens admitted, by tenant.", ["tenant"], registry=r,
-        ))
-        self.warmup_tokens = Counter(
+        )
+        self.warmup_tokens = LoopCounter(
             "kvgate_warmup_tokens", "Prompt tokens prefilled by hot-prefix warm-ups (work spent on replication).",
             registry=r,
         )
-        transfers = Counter(
+        transfers = LoopCounter(
             "kvgate_transfers", "KV handshakes by kind (transfer: a warm prefix pulled, for a request or a warm-up; "
             "disaggregated: a request prefilled on a prefill replica) and result: started (first leg sent), "
             "completed (destination answered 200 with the pulled KV), failed (destination failed after the "
@@ -154,18 +225,18 @@ class GatewayMetrics:
         self.transfers = {
             (kind, result): transfers.labels(kind, result) for kind in TRANSFER_KINDS for result in TRANSFER_RESULTS
         }
-        transfer_bytes = Counter(
+        transfer_bytes = LoopCounter(
             "kvgate_transfer_bytes", "KV bytes handed over by completed handshakes, by kind (tokens the destination "
             "lacked x kv_bytes_per_token, the cost model's estimate).", ["kind"], registry=r,
         )
         self.transfer_bytes = {kind: transfer_bytes.labels(kind) for kind in TRANSFER_KINDS}
-        transfer_prefill_avoided = Counter(
+        transfer_prefill_avoided = LoopCounter(
             "kvgate_transfer_prefill_avoided_seconds", "Prefill destinations skipped thanks to completed "
             "handshakes, by kind (cost model). Divided by kvgate_transfer_bytes_total: saved prefill per byte moved.",
             ["kind"], registry=r,
         )
         self.transfer_prefill_avoided = {kind: transfer_prefill_avoided.labels(kind) for kind in TRANSFER_KINDS}
-        transfer_seconds = Histogram(
+        transfer_seconds = LoopHistogram(
             "kvgate_transfer_seconds", "Handshake first leg (prefill-only request on the source) duration, by kind "
             "and result: completed (kv_transfer_params returned) or fallback.", ["kind", "result"],
             buckets=LATENCY_BUCKETS, registry=r,

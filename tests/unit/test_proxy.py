@@ -73,7 +73,7 @@ class FleetOn:
 
     @property
     def failures(self) -> list[tuple[str, ...]]:
-        return self.counted(self.metrics.upstream_failures.metric)
+        return self.counted(self.metrics.upstream_failures)
 
 
 def fleet_on(proxy: Proxy, urls: dict[str, str], down: frozenset[str] = frozenset()) -> FleetOn:
