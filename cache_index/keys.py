@@ -11,6 +11,7 @@ in any of these can never produce an equal key, so no request can match another 
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Hashable, Sequence
 
@@ -23,10 +24,12 @@ _xxh3_64 = xxhash.xxh3_64_intdigest
 _TOKEN_BYTES = 4
 
 
+@functools.lru_cache(maxsize=4096)
 def namespace_key(
     model: str, weight_version: str = "", cache_salt: str | None = None, lora_name: str | None = None
 ) -> int:
-    """Root key of every chain for this (model, weight version, cache salt, LoRA) combination."""
+    """Root key of every chain for this (model, weight version, cache salt, LoRA) combination (remembered: every
+    request asks, and the same few combinations come back)."""
     return _xxh3_64(_encode([_NAMESPACE_TAG, model, weight_version, cache_salt, lora_name]))
 
 

@@ -16,10 +16,11 @@ BS = 4
 
 def routed(index: PrefixIndex, chain: list[int], replica: str) -> Any:
     """A request over ``chain``, routed to ``replica`` on what the index held when it was routed."""
-    matched = index.lookup(chain, BS).get(replica, PrefixMatch()).total
+    match = index.lookup(chain, BS).get(replica, PrefixMatch())
     return SimpleNamespace(
         request=SimpleNamespace(block_size=BS, tenant=None, session_id=None), block_sizes={replica: BS},
-        cache_salt=None, keys_for=lambda name: chain, matched_tokens=lambda name: matched,
+        cache_salt=None, keys_for=lambda name: chain, matched_tokens=lambda name: match.total,
+        views={replica: SimpleNamespace(match=match)},
     )
 
 
