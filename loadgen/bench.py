@@ -419,9 +419,12 @@ def attach_engine_view(records: list[RequestRecord], fleet: BenchFleet) -> None:
             record.engine_ttft_ms += leg_ms
 
 
-def attach_predictions(records: list[RequestRecord], logs: list[Path]) -> None:
+def attach_predictions(records: list[RequestRecord], logs: list[Path], time_scale: float = 1.0) -> None:
     """Fill in kvgate's predictions (its ``kvgate.requests`` log lines, matched by request id): the TTFT and queue
-    delay the cost model predicted on the replica that served each request."""
+    delay the cost model predicted on the replica that served each request, on the engines' model clock. The gateway
+    predicts on the wall clock (its policy file prices a sim ``time_scale`` times slower than the model,
+    :func:`describe_sim_speed`), so its predictions are divided by ``time_scale`` to be held to the model clock."""
+    scale = time_scale if time_scale > 0 else 1.0
     by_id = {r.request_id: r for r in records}
     for path in logs:
         try:
@@ -439,7 +442,7 @@ def attach_predictions(records: list[RequestRecord], logs: list[Path]) -> None:
                 continue
             ttft, queue = fields.get("predicted_ttft_ms"), fields.get("predicted_queue_ms")
             if isinstance(ttft, (int, float)) and isinstance(queue, (int, float)):
-                record.predicted_ttft_ms, record.predicted_queue_ms = float(ttft), float(queue)
+                record.predicted_ttft_ms, record.predicted_queue_ms = float(ttft) / scale, float(queue) / scale
 
 
 def _is_first_leg(entry: dict[str, Any]) -> bool:
@@ -667,7 +670,7 @@ def _run_one(
             counters = _summed([scrape_gateway_counters(gw.url) for gw in gateways]) if name not in PEERS else None
         attach_engine_view(records, fleet)
         if name not in PEERS:  # stopped, the gateways have flushed their request logs
-            attach_predictions(records, [gw.log_path for gw in gateways if gw.log_path is not None])
+            attach_predictions(records, [gw.log_path for gw in gateways if gw.log_path is not None], args.time_scale)
         return records, fleet.replica_names, gateways[0].url, RunCost(
             router_cpu_s=_delta(cpu_before[0], cpu_after[0]), sim_cpu_s=_delta(cpu_before[1], cpu_after[1]),
             counters=counters, engines=sim_totals(fleet),

@@ -1,9 +1,13 @@
 import argparse
+import json
 from pathlib import Path
 
 import yaml
 
-from kvgate.loadgen.bench import HINTS_TOKEN, add_arguments, describe_sim_speed, hint_configs, run_settings, run_spec
+from kvgate.loadgen.bench import (
+    HINTS_TOKEN, add_arguments, attach_predictions, describe_sim_speed, hint_configs, run_settings, run_spec,
+)
+from kvgate.loadgen.runner import RequestRecord
 from kvgate.loadgen.sim.params import SimParams
 from kvgate.router.settings.schema import KvgateConfig
 
@@ -59,3 +63,17 @@ def test_pd_runs_use_the_cost_policy_on_the_roles_fleet_with_their_mode() -> Non
     assert (vllm_router.policy, vllm_router.roles, vllm_router.settings) == (None, "prefill:2,decode:6", [])
     assert run_spec(args, "sglang").roles is None
     assert run_spec(args, "round_robin").settings == ["replication.enabled=false", "scrape.interval_ms=50"]
+
+
+def test_predictions_are_held_to_the_model_clock_of_a_slowed_sim(tmp_path: Path) -> None:
+    """The gateway prices a sim slowed down 4x at its wall-clock speed (above), so what it predicts is 4x the model
+    clock the engines report: the audit divides it back, else every prediction reads as 4x too high."""
+    log = tmp_path / "kvgate.log"
+    log.write_text("\n".join([
+        json.dumps({"logger": "kvgate.requests", "id": "loadgen-0", "predicted_ttft_ms": 400.0,
+                    "predicted_queue_ms": 40.0}),
+        "not json", json.dumps({"id": "unknown", "predicted_ttft_ms": 1.0, "predicted_queue_ms": 1.0}),
+    ]) + "\n")
+    record = RequestRecord(0, "chat", None, 0.0, 0.0, 0, 0)
+    attach_predictions([record], [log], time_scale=4.0)
+    assert (record.predicted_ttft_ms, record.predicted_queue_ms) == (100.0, 10.0)
