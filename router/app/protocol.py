@@ -120,8 +120,10 @@ class HttpProtocol(asyncio.Protocol):
         """The one timer in force: the headers', the body's, the idle keep-alive's, or the linger's."""
         self._lingering = False
         self._read_paused = False
-        self._writable: asyncio.Future[None] | None = None
-        """Set while the transport's write buffer is full: a streamed answer waits on it."""
+        self._write_paused = False
+        """Whether the transport's write buffer is full (the client reads slower than its answer comes)."""
+        self._source: tuple[Callable[[], None], Callable[[], None]] | None = None
+        """How to pause and resume what produces the streamed answer being written (:class:`_ChunkWriter`)."""
         # the request being parsed
         self._reading_headers = True
         self._header_bytes = 0
@@ -150,20 +152,19 @@ class HttpProtocol(asyncio.Protocol):
             if exchange is not None:
                 exchange.request.leave()
         self._queued.clear()
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
 
     def eof_received(self) -> bool | None:
         return None  # a client that half-closes is gone: nothing more can be answered to it usefully
 
     def pause_writing(self) -> None:
-        if self._writable is None:
-            self._writable = self.loop.create_future()
+        self._write_paused = True
+        if self._source is not None:
+            self._source[0]()
 
     def resume_writing(self) -> None:
-        writable, self._writable = self._writable, None
-        if writable is not None and not writable.done():
-            writable.set_result(None)
+        self._write_paused = False
+        if self._source is not None:
+            self._source[1]()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -286,39 +287,21 @@ class HttpProtocol(asyncio.Protocol):
             headers.append((b"transfer-encoding", b"chunked"))
         else:
             exchange.keep_alive = False  # an HTTP/1.0 client reads a stream to the close
-        head = self._head(exchange, answer.status_code, headers)
+        writer = _ChunkWriter(self, self._head(exchange, answer.status_code, headers), chunked)
         request = exchange.request
         try:
             if request.guard():  # a client that leaves stops the stream at once
-                await self._write_chunks(head, answer, chunked)
+                await answer.body.write_to(writer)
+                writer.finish()
                 request.unguard()
         except asyncio.CancelledError:
             if not request.unguard():
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
         finally:
-            await answer.chunks.aclose()
+            self._source = None
+            await answer.body.aclose()
         self._finished(exchange)
-
-    async def _write_chunks(self, head: bytes, answer: StreamedAnswer, chunked: bool) -> None:
-        """The head with the first chunk in one write, then each chunk as it comes, waiting while the client's
-        socket is full."""
-        transport = self.transport
-        async for chunk in answer.chunks:
-            if not chunk:
-                continue
-            if transport.is_closing():
-                return
-            framed = b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk
-            if head:
-                transport.writelines((head, framed))
-                head = b""
-            else:
-                transport.write(framed)
-            if self._writable is not None:
-                await self._writable
-        if not transport.is_closing():
-            transport.write(head + (b"0\r\n\r\n" if chunked else b""))
 
     def _write_whole(self, exchange: _Exchange, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         if not self.transport.is_closing():
@@ -461,3 +444,38 @@ class HttpProtocol(asyncio.Protocol):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+
+
+class _ChunkWriter:
+    """A streamed answer's body as the connection writes it: each chunk framed (chunked transfer coding for HTTP/1.1)
+    and written at once, the status line and headers with the first; its source paused while the client's socket is
+    full."""
+
+    __slots__ = ("protocol", "transport", "head", "chunked")
+
+    def __init__(self, protocol: HttpProtocol, head: bytes, chunked: bool) -> None:
+        self.protocol = protocol
+        self.transport = protocol.transport
+        self.head = head
+        self.chunked = chunked
+
+    def write(self, chunk: bytes) -> None:
+        if not chunk or self.transport.is_closing():
+            return
+        framed = b"%x\r\n%b\r\n" % (len(chunk), chunk) if self.chunked else chunk
+        if self.head:
+            self.transport.writelines((self.head, framed))
+            self.head = b""
+        else:
+            self.transport.write(framed)
+
+    def hold_source(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        self.protocol._source = (pause, resume)
+        if self.protocol._write_paused:
+            pause()
+
+    def finish(self) -> None:
+        """The body is over: its end (and the head, for a body that had no bytes)."""
+        if not self.transport.is_closing():
+            self.transport.write(self.head + (b"0\r\n\r\n" if self.chunked else b""))
+            self.head = b""

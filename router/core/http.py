@@ -156,22 +156,35 @@ class HttpRequest:
             waiter.set_result(None)
 
 
-class Chunks(Protocol):
-    """A streamed answer's body: chunks to iterate, and ``aclose`` to release what produces them."""
+class BodyWriter(Protocol):
+    """Where a streamed answer writes its body: the client's side of the connection, framed by the server."""
 
-    def __aiter__(self) -> AsyncIterator[bytes]: ...
+    def write(self, chunk: bytes) -> None:
+        """Send ``chunk`` now (never waits: the server buffers what the client's socket cannot take yet)."""
 
-    async def aclose(self) -> None: ...
+    def hold_source(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        """How to stop and restart what produces the chunks: called while the client's socket is full, so a slow
+        client slows the source instead of growing the server's buffer."""
+
+
+class StreamBody(Protocol):
+    """A streamed answer's body: written to the client by :meth:`write_to`, released by :meth:`aclose`."""
+
+    async def write_to(self, out: BodyWriter) -> None:
+        """Write the whole body to ``out``, returning once it is written (cancelled when the client leaves)."""
+
+    async def aclose(self) -> None:
+        """Release what produces the body (an upstream connection), however the answer ended."""
 
 
 class StreamedAnswer:
-    """An answer whose body is written as ``chunks`` yields it (chunked), with its status and headers first. The
-    server closes ``chunks`` (``aclose``) however the answer ends, so what the iterator holds (an upstream connection)
-    is released at once, and a client that leaves mid-stream cancels the iteration."""
+    """An answer whose body is written as it is produced (chunked), with its status and headers first. The server
+    closes ``body`` (``aclose``) however the answer ends, so what it holds (an upstream connection) is released at
+    once, and a client that leaves mid-stream cancels the writing."""
 
-    __slots__ = ("status_code", "headers", "chunks")
+    __slots__ = ("status_code", "headers", "body")
 
-    def __init__(self, status_code: int, headers: Mapping[str, str], chunks: Chunks) -> None:
+    def __init__(self, status_code: int, headers: Mapping[str, str], body: StreamBody) -> None:
         self.status_code = status_code
         self.headers = headers
-        self.chunks = chunks
+        self.body = body

@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from kvgate.router.apis.base import Api, Usage
 from kvgate.router.core.errors import OPENAI_ERRORS, ApiError
-from kvgate.router.core.http import StreamedAnswer
+from kvgate.router.core.http import BodyWriter, StreamedAnswer
 from kvgate.router.fleet.attempts import Upstream
 from kvgate.router.upstream.client import UpstreamError
 
@@ -69,52 +69,49 @@ def relay(
 
 class RelayStream:
     """The upstream's SSE bytes, to the client as they arrive, chunk by chunk (no buffering): the first chunk (read
-    already, to find the first output) and then each one the engine sends.
+    already, to find the first output), then each one the engine sends, handed from the upstream connection's own
+    callback straight to the client's (:meth:`EngineResponse.pipe`: a chunk costs a call, not a task switch; a full
+    client socket pauses the engine's).
 
     After the first byte nothing is retried: an upstream failure ends the stream with the API's error events. When the
-    client leaves, the server stops iterating and closes this stream (:meth:`aclose`): the upstream connection is
+    client leaves, the server cancels the writing and closes this stream (:meth:`aclose`): the upstream connection is
     closed at once so the engine aborts the sequence. A client that leaves once the stream's end marker has been
     relayed had the whole answer: the official openai client closes its response on reading ``[DONE]``, often before
-    the upstream's body has ended, so that ends ``ok``. Its reader closes it (:meth:`aclose`) however it ends, even
-    before its first chunk was asked for: that calls ``on_end``, once, with how it ended and the usage in its
-    tail."""
+    the upstream's body has ended, so that ends ``ok``. The server closes it (:meth:`aclose`) however it ends, even
+    before it was written: that calls ``on_end``, once, with how it ended and the usage in its tail."""
 
     def __init__(self, upstream: Upstream, api: Api, on_end: Callable[[StreamResult], None]) -> None:
         self.response = upstream.response
         self.api = api
         self.on_end = on_end
         self.end: StreamEnd = "client_disconnect"
-        self._first: bytes | None = upstream.body
         self._prev = b""
         self._last = upstream.body
-        self._over = False
-        """The stream has given its last chunk (an error event, or nothing more)."""
         self._closed = False
 
-    def __aiter__(self) -> RelayStream:
-        return self
+    async def write_to(self, out: BodyWriter) -> None:
+        out.write(self._last)
+        over: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
 
-    async def __anext__(self) -> bytes:
-        if self._over:
-            raise StopAsyncIteration
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        try:
-            chunk = await self.response.readany()
-        except (UpstreamError, OSError, TimeoutError) as e:
-            self.end = "stream_error"
-            self._over = True
-            return _stream_error(self.api, f"upstream replica failed mid-stream: {type(e).__name__}")
-        if chunk:
+        def relay(chunk: bytes) -> None:
             self._prev, self._last = self._last, chunk
-            return chunk
-        self._over = True
-        if not self.api.stream_complete(self._tail()) and self.response.content_type == "text/event-stream":
+            out.write(chunk)
+
+        def ended(error: BaseException | None) -> None:
+            if not over.done():
+                over.set_result(error)
+
+        out.hold_source(self.response.pause_reading, self.response.resume_reading)
+        self.response.pipe(relay, ended)
+        error = await over
+        if error is not None:
             self.end = "stream_error"
-            return _stream_error(self.api, "upstream replica ended the stream early")
-        self.end = "ok"
-        raise StopAsyncIteration
+            out.write(_stream_error(self.api, f"upstream replica failed mid-stream: {type(error).__name__}"))
+        elif not self.api.stream_complete(self._tail()) and self.response.content_type == "text/event-stream":
+            self.end = "stream_error"
+            out.write(_stream_error(self.api, "upstream replica ended the stream early"))
+        else:
+            self.end = "ok"
 
     async def aclose(self) -> None:
         if self._closed:

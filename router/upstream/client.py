@@ -32,7 +32,7 @@ import re
 import socket
 import ssl
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import httptools
@@ -86,7 +86,7 @@ class EngineResponse:
     the request's total deadline passed."""
 
     __slots__ = ("status", "headers", "_connection", "_chunks", "_buffered", "_complete", "_error", "_waiter",
-                 "_deadline", "_reads_until_close")
+                 "_deadline", "_reads_until_close", "_sink", "_on_end")
 
     def __init__(self, connection: _Connection) -> None:
         self.status = 0
@@ -101,6 +101,9 @@ class EngineResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._reads_until_close = False
+        self._sink: Callable[[bytes], None] | None = None
+        """Where chunks go as they arrive once the answer is piped (:meth:`pipe`)."""
+        self._on_end: Callable[[BaseException | None], None] | None = None
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (lower case), or None."""
@@ -162,6 +165,31 @@ class EngineResponse:
             raise StopAsyncIteration
         return data
 
+    def pipe(self, sink: Callable[[bytes], None], on_end: Callable[[BaseException | None], None]) -> None:
+        """From now on hand the answer's chunks to ``sink`` as they arrive, from the connection's own callback (no
+        reader woken, nothing buffered), those already in first; then ``on_end(None)`` at its end, or
+        ``on_end(error)`` when it fails (a lost connection, the deadline, an abandon). A relay's way to read: a chunk
+        costs a call, not a task switch. :meth:`pause_reading` holds the chunks back while ``sink`` cannot take
+        more."""
+        chunks, self._chunks = list(self._chunks), deque()
+        self._drained()
+        for chunk in chunks:
+            sink(chunk)
+        if self._complete or self._error is not None:
+            on_end(self._error)
+            return
+        self._sink = sink
+        self._on_end = on_end
+
+    def pause_reading(self) -> None:
+        """Stop reading the answer from the engine until :meth:`resume_reading` (a piped answer's backpressure)."""
+        if self._connection is not None:
+            self._connection.pause()
+
+    def resume_reading(self) -> None:
+        if self._connection is not None:
+            self._connection.resume()
+
     def release(self) -> None:
         """Done with the answer: a complete one has given its connection back already; one still arriving is
         abandoned (:meth:`close`)."""
@@ -194,6 +222,9 @@ class EngineResponse:
         self._wake()
 
     def _feed(self, data: bytes) -> None:
+        if self._sink is not None:
+            self._sink(data)
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER_BYTES and self._connection is not None:
@@ -207,6 +238,7 @@ class EngineResponse:
         self._connection = None
         self._cancel_deadline()
         self._wake()
+        self._ended(None)
 
     def _fail(self, error: BaseException) -> None:
         if self._complete or self._error is not None:
@@ -215,8 +247,15 @@ class EngineResponse:
         self._connection = None
         self._cancel_deadline()
         self._wake()
+        self._ended(error)
 
     # internals
+
+    def _ended(self, error: BaseException | None) -> None:
+        on_end, self._on_end = self._on_end, None
+        self._sink = None
+        if on_end is not None:
+            on_end(error)
 
     async def _wait(self) -> None:
         waiter = self._waiter = asyncio.get_running_loop().create_future()

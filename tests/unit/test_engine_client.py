@@ -308,6 +308,33 @@ async def test_an_unread_answer_stops_being_read_at_the_high_water_mark() -> Non
     assert body == payload
 
 
+async def test_a_piped_answer_hands_over_every_chunk_and_stops_while_its_sink_is_held() -> None:
+    payload = random.Random(1).randbytes(8 * 1024 * 1024)
+
+    async def flooding(conn: Conn) -> None:
+        await conn.next_request()
+        conn.writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(payload))
+        conn.writer.write(payload)
+        await conn.writer.drain()
+        await conn.until_end()
+
+    async with wire_server(flooding) as wire, EngineClient(max_per_origin=4) as client:
+        response = await asyncio.wait_for(client.request("GET", wire.url + "/big", connect_timeout_s=CONNECT_S),
+                                          DEADLINE_S)
+        got: list[bytes] = []
+        ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        response.pipe(got.append, ended.set_result)
+        await wait_until_async(lambda: got, "the first chunks", timeout=DEADLINE_S)
+        response.pause_reading()
+        held = sum(map(len, got))
+        await asyncio.sleep(0.3)  # time for more to arrive, were the connection still reading
+        assert sum(map(len, got)) <= held + 1024 * 1024  # at most what was already read off the socket
+        assert wire.conns[0].writer.transport.get_write_buffer_size() > 0  # the engine is held back
+        response.resume_reading()
+        assert await asyncio.wait_for(ended, DEADLINE_S) is None
+    assert b"".join(got) == payload and response.complete
+
+
 # a connection closing under a request
 
 

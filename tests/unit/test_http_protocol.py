@@ -20,7 +20,7 @@ from uvicorn.server import ServerState
 
 from kvgate.router.app.protocol import CONTINUE, HttpProtocol
 from kvgate.router.app.routes import Routes
-from kvgate.router.core.http import HttpRequest, StreamedAnswer
+from kvgate.router.core.http import BodyWriter, HttpRequest, StreamedAnswer
 from kvgate.router.pipeline.disconnect import while_connected
 from tests.served import served
 from tests.support import wait_until_async
@@ -100,45 +100,41 @@ async def page(request: HttpRequest) -> Response:
     return Response(PAGE, media_type="text/plain")
 
 
-class RecordedChunks:
-    """A streamed answer's chunks that record how they were iterated and closed. The first chunk waits for
-    ``first``; after the last one, with ``then_hang``, the iterator waits forever (until cancelled)."""
+class RecordedBody:
+    """A streamed answer's body that records how it was written and closed. It writes nothing until ``first`` is
+    set; with ``then_hang``, after its parts it waits forever (until cancelled)."""
 
     def __init__(self, parts: list[bytes], then_hang: bool = False) -> None:
         self.parts = list(parts)
         self.then_hang = then_hang
         self.first = asyncio.Event()
         self.asked = asyncio.Event()
-        """Set once the server asked for the first chunk."""
-        self.calls = 0
+        """Set once the server asked for the body."""
+        self.hanging = asyncio.Event()
+        """Set once every part is written and the body waits (``then_hang``)."""
         self.cancelled = False
         self.closes = 0
         self.closed = asyncio.Event()
 
-    def __aiter__(self) -> RecordedChunks:
-        return self
-
-    async def __anext__(self) -> bytes:
-        self.calls += 1
-        if self.calls == 1:
-            self.asked.set()
-            await self.first.wait()
-        if self.parts:
-            return self.parts.pop(0)
+    async def write_to(self, out: BodyWriter) -> None:
+        self.asked.set()
+        await self.first.wait()
+        for part in self.parts:
+            out.write(part)
         if self.then_hang:
+            self.hanging.set()
             try:
                 await asyncio.get_running_loop().create_future()
             except asyncio.CancelledError:
                 self.cancelled = True
                 raise
-        raise StopAsyncIteration
 
     async def aclose(self) -> None:
         self.closes += 1
         self.closed.set()
 
 
-def streaming(chunks: RecordedChunks) -> Routes:
+def streaming(chunks: RecordedBody) -> Routes:
     async def stream(request: HttpRequest) -> StreamedAnswer:
         return StreamedAnswer(200, {"content-type": "text/plain"}, chunks)
 
@@ -196,7 +192,7 @@ async def test_100_continue_is_sent_only_once_the_endpoint_reads_the_body() -> N
 
 
 async def test_a_streamed_answer_is_chunked_with_its_head_sent_with_the_first_chunk() -> None:
-    chunks = RecordedChunks([b"hello", b"x" * 300, b"", b"end"])
+    chunks = RecordedBody([b"hello", b"x" * 300, b"", b"end"])
     async with served(streaming(chunks)) as base_url, raw(base_url) as (reader, writer):
         writer.write(b"GET /stream HTTP/1.1\r\nhost: t\r\n\r\n")
         await asyncio.wait_for(chunks.asked.wait(), DEADLINE_S)
@@ -217,23 +213,21 @@ async def test_a_streamed_answer_is_chunked_with_its_head_sent_with_the_first_ch
     assert chunks.closes == 1
 
 
-async def test_a_client_leaving_mid_stream_stops_the_iteration_and_closes_the_chunks() -> None:
-    chunks = RecordedChunks([b"first"], then_hang=True)
+async def test_a_client_leaving_mid_stream_cancels_the_writing_and_closes_the_body() -> None:
+    chunks = RecordedBody([b"first"], then_hang=True)
     chunks.first.set()
     async with served(streaming(chunks)) as base_url:
         async with raw(base_url) as (reader, writer):
             writer.write(b"GET /stream HTTP/1.1\r\nhost: t\r\n\r\n")
             await asyncio.wait_for(reader.readuntil(b"\r\n\r\n5\r\nfirst\r\n"), DEADLINE_S)
-            await wait_until_async(lambda: chunks.calls == 2, "the server to wait for the next chunk",
-                                   timeout=DEADLINE_S)
+            await asyncio.wait_for(chunks.hanging.wait(), DEADLINE_S)
         await asyncio.wait_for(chunks.closed.wait(), DEADLINE_S)  # the client has gone
     assert chunks.cancelled
-    assert chunks.calls == 2
     assert chunks.closes == 1
 
 
 async def test_an_http_1_0_client_gets_the_raw_stream_and_then_the_close() -> None:
-    chunks = RecordedChunks([b"hello", b"x" * 300, b"end"])
+    chunks = RecordedBody([b"hello", b"x" * 300, b"end"])
     chunks.first.set()
     async with served(streaming(chunks)) as base_url, raw(base_url) as (reader, writer):
         writer.write(b"GET /stream HTTP/1.0\r\nhost: t\r\nconnection: keep-alive\r\n\r\n")
@@ -244,6 +238,44 @@ async def test_an_http_1_0_client_gets_the_raw_stream_and_then_the_close() -> No
     assert not any(line.startswith(b"transfer-encoding") for line in header_lines(head))
     assert body == b"hello" + b"x" * 300 + b"end"
     assert chunks.closes == 1
+
+
+class FloodBody:
+    """Writes ``total`` bytes at once, in 64 KiB chunks, and records when the server asks it to pause and resume."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.paused = asyncio.Event()
+        self.resumed = asyncio.Event()
+        self.done = asyncio.Event()
+
+    async def write_to(self, out: BodyWriter) -> None:
+        out.hold_source(self.paused.set, self.resumed.set)
+        for _ in range(self.total // 65536):
+            out.write(b"z" * 65536)
+        await self.done.wait()  # a source that stays open until the test has seen the flow
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_client_that_does_not_read_pauses_the_streamed_answers_source_until_it_reads() -> None:
+    body = FloodBody(8 * 1024 * 1024)
+
+    async def stream(request: HttpRequest) -> StreamedAnswer:
+        return StreamedAnswer(200, {"content-type": "text/plain"}, body)
+
+    routes = Routes()
+    routes.add("GET", "/flood", stream)
+    async with served(routes) as base_url, raw(base_url) as (reader, writer):
+        writer.write(b"GET /flood HTTP/1.1\r\nhost: t\r\n\r\n")
+        await asyncio.wait_for(body.paused.wait(), DEADLINE_S)  # nothing read: the socket fills
+        assert not body.resumed.is_set()
+        received = 0
+        while not body.resumed.is_set():
+            received += len(await asyncio.wait_for(reader.read(1 << 20), DEADLINE_S))
+        body.done.set()
+    assert received > 0
 
 
 # closing connections

@@ -26,7 +26,7 @@ from kvgate.router.routing.transfers import first_leg_body, prefill_for_transfer
 from kvgate.router.upstream.config import BreakerConfig, HealthConfig, ProxyConfig, ScrapeConfig
 from kvgate.router.upstream.client import EngineClient
 from kvgate.router.upstream.proxy import AttemptFailed, Forward, Proxy, first_byte_deadline_s
-from tests.support import free_port_block
+from tests.support import free_port_block, wait_until_async
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -197,13 +197,33 @@ def sse(*events: dict) -> list[bytes]:
     return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events]
 
 
+class Written:
+    """A streamed answer's body as the server would write it (:class:`~kvgate.router.core.http.BodyWriter`): the
+    chunks, in order, and how its source was held."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.flow: tuple[Callable[[], None], Callable[[], None]] | None = None
+
+    def write(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+
+    def hold_source(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        self.flow = (pause, resume)
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+
 async def collect(up, results: list[StreamResult]) -> bytes:  # type: ignore[no-untyped-def]
-    out = b""
+    out = Written()
     relay = RelayStream(up, CHAT, results.append)
-    async for chunk in relay:
-        out += chunk
-    await relay.aclose()
-    return out
+    try:
+        await asyncio.wait_for(relay.write_to(out), 5)
+    finally:
+        await relay.aclose()
+    return out.data
 
 
 async def test_stream_is_relayed_and_its_usage_read_from_the_tail(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
@@ -288,8 +308,11 @@ async def test_closing_the_relay_early_closes_the_upstream_connection(proxy: Pro
     up = await d.attempts.forward(forward(["s"], stream=True))
     results: list[StreamResult] = []
     relay = RelayStream(up, CHAT, results.append)
-    await relay.__anext__()
-    await relay.__anext__()
+    out = Written()
+    writing = asyncio.ensure_future(relay.write_to(out))
+    await wait_until_async(lambda: len(out.chunks) >= 2, "two chunks relayed", timeout=5)
+    writing.cancel()  # the client left: the server cancels the writing, then closes the relay
+    await asyncio.gather(writing, return_exceptions=True)
     await relay.aclose()
     assert [r.end for r in results] == ["client_disconnect"]
     await asyncio.wait_for(upstream_gone.wait(), 5)
@@ -457,9 +480,11 @@ async def test_a_client_leaving_after_done_has_the_whole_answer(proxy: Proxy, en
     up = await d.attempts.forward(forward(["s"], stream=True))
     results: list[StreamResult] = []
     relay = RelayStream(up, CHAT, results.append)
-    seen = b""
-    while b"[DONE]" not in seen:
-        seen += await relay.__anext__()
+    out = Written()
+    writing = asyncio.ensure_future(relay.write_to(out))
+    await wait_until_async(lambda: b"[DONE]" in out.data, "the end marker relayed", timeout=5)
+    writing.cancel()  # the client read [DONE] and left before the upstream's body ended
+    await asyncio.gather(writing, return_exceptions=True)
     await relay.aclose()
     client_left.set()
     assert [r.end for r in results] == ["ok"]
