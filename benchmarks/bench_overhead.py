@@ -318,6 +318,8 @@ async def main_async(args: argparse.Namespace) -> None:
             for chars, stream, concurrency, n in scenarios:
                 if args.chars and chars not in args.chars:
                     continue
+                if args.concurrency and concurrency not in args.concurrency:
+                    continue
                 document = make_document(chars)
                 rounds: dict[str, list[Result]] = {t.name: [] for t in targets}
                 for k in range(args.rounds):  # each round runs every target, starting one later each time
@@ -378,6 +380,8 @@ def main() -> None:
                              "medians and kvgate's CPU per request above the bare proxy, paired by round")
     parser.add_argument("--chars", type=int, action="append", choices=(2_000, 100_000),
                         help="only scenarios with this prompt size (repeatable)")
+    parser.add_argument("--concurrency", type=int, action="append", choices=(1, 64),
+                        help="only scenarios at this concurrency (repeatable)")
     parser.add_argument("--compare-tree", type=Path, default=None,
                         help="also run kvgate from this source tree's .venv (e.g. a git worktree of an older commit)")
     parser.add_argument("--traced", action="store_true",

@@ -22,6 +22,7 @@ proxy and the fleet, nothing above them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Mapping
@@ -103,6 +104,8 @@ class Attempts:
                 assert last is not None
                 self.metrics.retries.labels(last.cause).inc()
                 await asyncio.sleep(self._backoff_s(attempts))
+                if fwd.on_sent is not None:
+                    fwd = dataclasses.replace(fwd, on_sent=None)  # told of the first attempt only
             attempts += 1
             ticket = self.fleet.dispatch(name, load.prefill_tokens.get(name, 0), load.caller)
             deadline_s = self.proxy.config.first_byte_timeout_s

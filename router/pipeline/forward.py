@@ -8,6 +8,7 @@ toward its prefix's heat (:mod:`kvgate.router.routing.replication`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -57,10 +58,11 @@ class Forwarder:
         max_attempts = self.config.max_attempts
 
         async def send(raw: bytes, replicas: Sequence[str]) -> Upstream:
-            if predicts:
-                self.dispatched(routed, replicas[0])
+            # What the dispatch leaves behind is recorded once the request is written, while the engine works,
+            # before this task yields: the next request routed already sees it.
+            on_sent = functools.partial(self.dispatched, routed, replicas[0]) if predicts else None
             fwd = Forward(path, raw, headers, parsed.stream, replicas, max_attempts, routed.deadlines_s, holds_output,
-                          method, trace)
+                          method, trace, on_sent)
             load = Load({name: routed.prefill_tokens(name) for name in replicas[:max_attempts]}, tenant)
             up = await self.attempts.forward(fwd, load)
             if predicts and up.replica != replicas[0]:

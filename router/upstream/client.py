@@ -554,13 +554,14 @@ class EngineClient:
 
     async def request(
         self, method: str, url: str, headers: Mapping[str, str] | None = None, body: bytes = b"", *,
-        connect_timeout_s: float, timeout_s: float | None = None,
+        connect_timeout_s: float, timeout_s: float | None = None, on_sent: Callable[[], None] | None = None,
     ) -> EngineResponse:
         """Send a request and return its answer once its status and headers have arrived (its body follows).
         ``timeout_s`` bounds the exchange, connecting and the body included, until the caller sets another
         (:meth:`EngineResponse.set_timeout`): past it, this or a read raises :class:`TimeoutError` and the connection
         is closed. Raises :class:`UpstreamConnectError`, :class:`UpstreamDisconnected`, or :class:`ValueError` for a
-        URL or header that cannot be sent.
+        URL or header that cannot be sent. ``on_sent`` is called once the request is handed to its connection,
+        before its answer is awaited (what the request leaves behind is recorded while the engine works).
 
         A request written to a kept-alive connection that closes before any of its answer arrived is sent once more,
         on a new connection: that is the engine closing an idle connection as the request went out (nothing was
@@ -579,6 +580,9 @@ class EngineClient:
             if deadline is not None:
                 response.set_timeout(max(0.0, deadline - loop.time()))
             connection.send(head, body, response)
+            if on_sent is not None:
+                on_sent()
+                on_sent = None
             try:
                 while not response.status:
                     if response._error is not None:

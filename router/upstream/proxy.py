@@ -65,6 +65,8 @@ class Forward:
     method: str = "POST"
     trace: AttemptTracing | None = None
     """The traced request this is part of: each attempt is a span of it, whose context the engine gets."""
+    on_sent: Callable[[], None] | None = None
+    """Called once the first attempt's request is handed to its connection (not for a retry)."""
 
 
 @dataclass(slots=True)
@@ -91,7 +93,7 @@ class Proxy:
             # One deadline on the response: the first byte's (connecting included), then the whole answer's.
             response = await self.client.request(fwd.method, url, fwd.headers, fwd.body,
                                                  connect_timeout_s=cfg.connect_timeout_s,
-                                                 timeout_s=first_byte_deadline_s)
+                                                 timeout_s=first_byte_deadline_s, on_sent=fwd.on_sent)
             if response.status in RETRYABLE_STATUS:
                 body = await response.read()
                 raise AttemptFailed(

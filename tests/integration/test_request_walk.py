@@ -75,13 +75,19 @@ async def test_a_streamed_chat_visits_each_stage_once_in_order_and_the_proxy_cal
 
     upward = [c for c in calls if c.caller is not None and c.caller.startswith("router/upstream/")
               and c.callee.startswith("router/") and not c.callee.startswith(LOWER)
-              # the one thing the proxy is handed to call: the API's pure test of a stream's first bytes
-              and c.function != "holds_output"]
+              # what the proxy is handed to call: the API's pure test of a stream's first bytes, and the forward
+              # stage's record of a dispatch, once the request is written (``Forward.on_sent``)
+              and c.function not in ("holds_output", "Forwarder.dispatched")]
     assert upward == [], [(c.caller, c.callee, c.function) for c in upward]
 
-    # Nothing else calls up a layer either, but for the API's pure functions handed down with the request: its
-    # parser (run by the tokenizer, on a worker thread for a large body) and its first-output test.
-    handed_down = {("router/prompts/tokenizer.py", "parse_chat"), ("router/upstream/first_token.py", "holds_output")}
+    # Nothing else calls up a layer either, but for what is handed down with the request: the API's pure functions
+    # (its parser, run by the tokenizer, on a worker thread for a large body; its first-output test), the forward
+    # stage's record of the dispatch, called by the engine client once the request is written, and the server's
+    # writer of a streamed body, which the relay writes each chunk to.
+    handed_down = {("router/prompts/tokenizer.py", "parse_chat"), ("router/upstream/first_token.py", "holds_output"),
+                   ("router/upstream/client.py", "Forwarder.dispatched"),
+                   ("router/pipeline/relay.py", "_ChunkWriter.write"),
+                   ("router/pipeline/relay.py", "_ChunkWriter.hold_source")}
     assert {(c.caller, c.function) for c in upward_calls(calls)} <= handed_down
 
     stops, files, reentries, per_file = walk_summary(calls)
