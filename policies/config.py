@@ -40,7 +40,8 @@ class CostPolicyConfig(Section):
     """Matches computed from approximate token ids are credited at this fraction."""
     interference_weight: float = Field(1.0, ge=0)
     """Weight of the delay a candidate's prefill imposes on the other requests arriving at that replica while it runs
-    (arrival rate × prefill² / 2), added to its predicted TTFT when candidates are compared; 0 compares TTFT alone."""
+    (queue scale × arrival rate × prefill² / 2: a queue delay, scaled as calibration scales the queue term), added to
+    its predicted TTFT when candidates are compared; 0 compares TTFT alone."""
     eviction_weight: float = Field(1.0, ge=0)
     """Weight of the prefill the fleet is expected to lose to the evictions a candidate's new blocks cause on a full
     replica (the tokens beyond its free room × its cache's value per token at the margin), added when candidates are

@@ -339,14 +339,14 @@ class CostPolicy:
     ) -> dict[str, object]:
         """Per-replica rows for the routing candidates, plus the transfer source's when it is not one of them
         (draining: its queue and cache are what the transfers were priced from) and the prefill replicas'."""
-        replicas = {v.name: replica_numbers(v, estimates[v.name], rates[v.name]) for v in views}
+        replicas = {v.name: replica_numbers(v, estimates[v.name], rates[v.name], self.cost_model) for v in views}
         # the transfer source and the prefill replicas are not routing candidates: their rows price a prefill there
         others = [source] if source is not None else []
         others += [v for v in fleet if v.role == "prefill"]
         for other in others:
             if other.name not in replicas:
                 estimate = self.cost_model.estimate(request, other, queue_delay_ms=queues.get(other.name))
-                replicas[other.name] = replica_numbers(other, estimate, other.arrival_rate_per_s)
+                replicas[other.name] = replica_numbers(other, estimate, other.arrival_rate_per_s, self.cost_model)
         details: dict[str, object] = {"replicas": replicas}
         transfers = [c.transfer.as_dict() for c in candidates if c.transfer is not None and not c.disaggregated]
         if transfers:

@@ -231,17 +231,22 @@ class CostModel:
         prefill, once. What prefill/decode disaggregation exists to avoid."""
         return cls.decoding(view) * work_ms
 
-    @staticmethod
-    def interference_ms(arrival_rate_per_s: float, work_ms: float) -> float:
+    def interference_ms(self, arrival_rate_per_s: float, work_ms: float) -> float:
         """Delay that ``work_ms`` of prefill started on a replica now adds to the other requests arriving there while
-        it runs: ``λ·work²/2`` (λ = the replica's expected arrival rate, :func:`policies.load.expected_arrival_rates`;
-        each of the ``λ·work`` arrivals waits half of it on average, the residual-work term of an M/G/1 queue).
+        it runs: ``queue_scale · λ·work²/2`` (λ = the replica's expected arrival rate,
+        :func:`policies.load.expected_arrival_rates`; each of the ``λ·work`` arrivals finds it in the work ahead of
+        it and waits half of it on average, the residual-work term of an M/G/1 queue).
+
+        It is a queue delay, other requests', so it is scaled as the queue term is: by ``queue_scale``, the
+        calibrator's measure of how much of the work ahead a request really waits for (an engine that batches the
+        prefills it has admitted holds its next arrivals up less than one running them in turn), and the policy
+        leans on it no more than on the queue term.
 
         The request's own TTFT does not show this cost, the fleet's mean TTFT does: recomputing a 4,000-token prefix
         (~160 ms) on a replica taking 2.5 requests/s holds up its next arrivals by ~30 ms in total, while a
         warm 250-token prefill there costs them ~1 ms.
         """
-        return arrival_rate_per_s * work_ms * work_ms / 2000.0
+        return self.prefill.queue_scale * arrival_rate_per_s * work_ms * work_ms / 2000.0
 
     def estimate(
         self,

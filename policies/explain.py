@@ -10,7 +10,9 @@ from kvgate.policies.cost_model import CostModel, Estimate
 from kvgate.policies.load import eligible, expected_arrival_rates, replica_load
 
 
-def replica_numbers(view: ReplicaView, estimate: Estimate, arrival_rate_per_s: float) -> dict[str, object]:
+def replica_numbers(
+    view: ReplicaView, estimate: Estimate, arrival_rate_per_s: float, cost_model: CostModel
+) -> dict[str, object]:
     """One replica's row: the cost model's estimate plus its health (routable, draining, can be a transfer's
     source), load, arrival rate (its own, and the expected one, :func:`policies.load.expected_arrival_rates`), the delay its prefill would impose on that replica's next arrivals, and the
     prefill the fleet would lose to what its new blocks evict there (with the free room and the cache's margin
@@ -22,7 +24,7 @@ def replica_numbers(view: ReplicaView, estimate: Estimate, arrival_rate_per_s: f
     row["load"] = replica_load(view)
     row["arrival_rate_per_s"] = view.arrival_rate_per_s
     row["expected_arrival_rate_per_s"] = arrival_rate_per_s
-    row["interference_ms"] = CostModel.interference_ms(arrival_rate_per_s, estimate.prefill_ms)
+    row["interference_ms"] = cost_model.interference_ms(arrival_rate_per_s, estimate.prefill_ms)
     row["eviction_ms"] = eviction_ms(view, estimate.new_tokens)
     row["free_tokens"] = free_tokens(view)
     row["cache_margin"] = None if view.cache_margin is None else view.cache_margin.as_dict()
@@ -39,4 +41,5 @@ def explain_replicas(
     """
     estimates = {v.name: cost_model.estimate(request, v, match_weight) for v in replicas}
     rates = expected_arrival_rates(eligible(replicas), {name: e.cached_tokens for name, e in estimates.items()})
-    return {v.name: replica_numbers(v, estimates[v.name], rates.get(v.name, v.arrival_rate_per_s)) for v in replicas}
+    return {v.name: replica_numbers(v, estimates[v.name], rates.get(v.name, v.arrival_rate_per_s), cost_model)
+            for v in replicas}

@@ -189,3 +189,14 @@ def test_harmonic_numbers() -> None:
         exact += 1.0 / n
         assert harmonic(n) == pytest.approx(exact, abs=1e-7)
     assert harmonic(0) == 0.0
+
+
+@pytest.mark.parametrize("queue_scale", [1.0, 0.4, 0.0])
+def test_interference_is_a_queue_delay_scaled_as_the_queue_term_is(queue_scale: float) -> None:
+    """The delay a prefill imposes on a replica's next arrivals is theirs to wait in its queue: where calibration
+    found that requests wait only a share of the work ahead (an engine batching its prefills), they wait only that
+    share of this one too, and where the queue predicts nothing, neither does the interference."""
+    m = model(PrefillCost(fixed_ms=20, per_token_ms=0.035, queue_scale=queue_scale))
+    busy = view(in_flight_prefilling=1, in_flight_prefill_tokens=4000)
+    assert m.queue_delay_ms(busy) == pytest.approx(queue_scale * m.work_ahead_ms(busy))
+    assert m.interference_ms(2.5, 160.0) == pytest.approx(queue_scale * 2.5 * 160.0**2 / 2000)
