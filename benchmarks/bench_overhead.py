@@ -1,8 +1,8 @@
 """Router overhead: kvgate vs calling one sim replica directly, side by side with a bare proxy and the SGLang gateway.
 
-Starts ``kvgate sim --replicas 1 --time-scale 0`` and, in front of it, kvgate (``kvgate serve``), a bare FastAPI +
-aiohttp proxy (the floor any Python proxy pays), and the SGLang Model Gateway (``sglang_router``, cache_aware) when it
-is importable. The driver (this process, aiohttp) sends the same requests to each target in turn, per scenario:
+Starts ``kvgate sim --replicas 1 --time-scale 0`` and, in front of it, kvgate (``kvgate serve``), a raw proxy on uvloop
+and httptools protocols (the floor any Python proxy pays), a bare FastAPI + aiohttp proxy (the common Python stack),
+and the SGLang Model Gateway (``sglang_router``, cache_aware) when it is importable. The driver (this process, aiohttp) sends the same requests to each target in turn, per scenario:
 2,000- and 100,000-character prompts (a shared document plus a per-request question, so kvgate's tokenizer cache is
 warm the way a growing chat or a shared document keeps it), streaming and not, at concurrency 1 and 64.
 
@@ -82,6 +82,82 @@ def run_bare_proxy(port: int, upstream: str) -> None:
                 log_level="warning")
 
 
+def run_raw_proxy(port: int, upstream: str) -> None:
+    """The least any Python proxy costs: uvloop and httptools protocols on both sides, no framework, no parsing of
+    the body, keep-alive connections to the upstream reused most recent first, answers relayed chunk by chunk as
+    they arrive (chunked to the client). Nothing a gateway needs beyond that: the floor, not a gateway."""
+    import collections
+
+    import httptools
+    import uvloop
+
+    host, _, upstream_port = upstream.removeprefix("http://").partition(":")
+
+    class Upstream(asyncio.Protocol):
+        def __init__(self, idle: collections.deque) -> None:
+            self.idle = idle
+            self.parser = httptools.HttpResponseParser(self)
+            self.client: asyncio.Transport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_headers_complete(self) -> None:
+            assert self.client is not None
+            self.client.write(b"HTTP/1.1 %d OK\r\ntransfer-encoding: chunked\r\n\r\n" % self.parser.get_status_code())
+
+        def on_body(self, body: bytes) -> None:
+            assert self.client is not None
+            self.client.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+        def on_message_complete(self) -> None:
+            assert self.client is not None
+            self.client.write(b"0\r\n\r\n")
+            self.client = None
+            self.idle.append(self)
+
+    idle: collections.deque[Upstream] = collections.deque()
+
+    class Client(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+            self.parser = httptools.HttpRequestParser(self)
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_message_begin(self) -> None:
+            self.url, self.body = b"", []
+
+        def on_url(self, url: bytes) -> None:
+            self.url += url
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            asyncio.get_running_loop().create_task(self.forward(self.url, b"".join(self.body)))
+
+        async def forward(self, url: bytes, body: bytes) -> None:
+            if idle:
+                up = idle.pop()
+            else:
+                _, up = await asyncio.get_running_loop().create_connection(
+                    lambda: Upstream(idle), host, int(upstream_port))
+            up.client = self.transport
+            up.transport.write(b"POST %b HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\n"
+                               b"content-length: %d\r\n\r\n%b" % (url, host.encode(), len(body), body))
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Client, "127.0.0.1", port)
+        await server.serve_forever()
+
+    uvloop.run(serve())
+
+
 def run_otlp_sink(port: int) -> None:
     """A collector that takes every OTLP/HTTP export and keeps nothing: what kvgate pays to export, not a
     collector's own cost."""
@@ -140,6 +216,11 @@ def start_targets(
     targets = [Target("direct", sim_url, None)]
     background = [sim]
 
+    raw_port = free_port_block(1)
+    raw = ChildProcess("raw proxy", [sys.executable, __file__, "raw-proxy", "--port", str(raw_port), "--upstream",
+                       sim_url], tmp / "raw.log").start()
+    targets.append(Target("raw-proxy", f"http://127.0.0.1:{raw_port}", raw))
+
     bare_port = free_port_block(1)
     bare = ChildProcess("bare proxy", [sys.executable, __file__, "bare-proxy", "--port", str(bare_port), "--upstream",
                         sim_url], tmp / "bare.log").start()
@@ -182,7 +263,7 @@ def start_targets(
     try:
         for t in targets[1:]:
             assert t.process is not None
-            if t.name == "bare-proxy":  # it serves POSTs only: any answer means it is up
+            if t.name in ("bare-proxy", "raw-proxy"):  # they serve POSTs only: any answer means one is up
                 t.process.wait_http(t.url + "/v1/models", 60, ready=lambda status: True)
             else:
                 t.process.wait_http(t.url + "/v1/models" if t.name != "sglang-gateway" else t.url + "/health", 60)
@@ -347,6 +428,11 @@ async def main_async(args: argparse.Namespace) -> None:
                     diffs = sorted(k - b for k, b in zip(cpu["kvgate"], cpu["bare-proxy"]))
                     print(f"{'':>21}kvgate - bare-proxy CPU per request, paired by round: median "
                           f"{statistics.median(diffs):.3f} ms (range {diffs[0]:.3f} to {diffs[-1]:.3f})")
+                if args.rounds > 1 and cpu.get("kvgate") and cpu.get("sglang-gateway"):
+                    ratios = sorted(k / g for k, g in zip(cpu["kvgate"], cpu["sglang-gateway"]) if g > 0)
+                    if ratios:
+                        print(f"{'':>21}kvgate / sglang-gateway CPU per request, paired by round: median "
+                              f"{statistics.median(ratios):.2f}x (range {ratios[0]:.2f} to {ratios[-1]:.2f})")
                 if args.rounds > 1 and cpu.get("kvgate+traces") and cpu.get("kvgate"):
                     diffs = sorted(t - k for t, k in zip(cpu["kvgate+traces"], cpu["kvgate"]))
                     print(f"{'':>21}kvgate+traces - kvgate CPU per request, paired by round: median "
@@ -368,9 +454,10 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="mode")
-    bare = sub.add_parser("bare-proxy")
-    bare.add_argument("--port", type=int, required=True)
-    bare.add_argument("--upstream", required=True)
+    for proxy in ("bare-proxy", "raw-proxy"):
+        proxy_args = sub.add_parser(proxy)
+        proxy_args.add_argument("--port", type=int, required=True)
+        proxy_args.add_argument("--upstream", required=True)
     sink = sub.add_parser("otlp-sink")
     sink.add_argument("--port", type=int, required=True)
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests per scenario")
@@ -389,6 +476,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "bare-proxy":
         run_bare_proxy(args.port, args.upstream)
+        return
+    if args.mode == "raw-proxy":
+        run_raw_proxy(args.port, args.upstream)
         return
     if args.mode == "otlp-sink":
         run_otlp_sink(args.port)

@@ -36,9 +36,11 @@ import logging
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 import httptools
+
 from kvgate.router.app.routes import Endpoint, Routes
 from kvgate.router.core.errors import ApiError, unexpected_error
 from kvgate.router.core.http import HttpRequest, StreamedAnswer
@@ -51,19 +53,10 @@ LINGER_S = 2.0
 """After an early answer, the connection stays half-open this long (reading and dropping) before it is closed."""
 UNREAD_BODY_BYTES = 65536
 """Body bytes taken in while no endpoint reads them; beyond this the connection stops reading until one does."""
-STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, phrase.encode()) for code, phrase in (
-    (100, "Continue"), (200, "OK"), (201, "Created"), (202, "Accepted"), (204, "No Content"),
-    (206, "Partial Content"), (301, "Moved Permanently"), (302, "Found"), (304, "Not Modified"),
-    (307, "Temporary Redirect"), (308, "Permanent Redirect"), (400, "Bad Request"), (401, "Unauthorized"),
-    (403, "Forbidden"), (404, "Not Found"), (405, "Method Not Allowed"), (408, "Request Timeout"),
-    (409, "Conflict"), (413, "Content Too Large"), (415, "Unsupported Media Type"), (422, "Unprocessable Content"),
-    (429, "Too Many Requests"), (431, "Request Header Fields Too Large"), (499, "Client Closed Request"),
-    (500, "Internal Server Error"), (501, "Not Implemented"), (502, "Bad Gateway"), (503, "Service Unavailable"),
-    (504, "Gateway Timeout"),
-)}
+STATUS_LINES = {status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in HTTPStatus}
+STATUS_LINES[499] = b"HTTP/1.1 499 Client Closed Request\r\n"  # nginx's, for a client that left
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 NO_BODY_STATUSES = frozenset({204, 304})
-
 
 
 def status_line(status: int) -> bytes:
@@ -77,16 +70,14 @@ class _HeadersTooLarge(Exception):
 class _Exchange:
     """One request on the connection and the state of its answer."""
 
-    __slots__ = ("request", "keep_alive", "head_only", "expects_continue", "raw_path", "http_version",
-                 "started", "done", "task")
+    __slots__ = ("request", "keep_alive", "head_only", "expects_continue", "http_version", "started", "done", "task")
 
     def __init__(self, request: HttpRequest, keep_alive: bool, head_only: bool, expects_continue: bool,
-                 raw_path: bytes, http_version: str) -> None:
+                 http_version: str) -> None:
         self.request = request
         self.keep_alive = keep_alive
         self.head_only = head_only
         self.expects_continue = expects_continue
-        self.raw_path = raw_path
         self.http_version = http_version
         self.started = False
         """Whether the answer's head has been written."""
@@ -209,8 +200,7 @@ class HttpProtocol(asyncio.Protocol):
         method = parser.get_method().decode("ascii")
         http_version = parser.get_http_version()
         url = httptools.parse_url(self._url)
-        raw_path = url.path
-        path = raw_path.decode("latin-1")
+        path = url.path.decode("latin-1")
         if "%" in path:
             path = urllib.parse.unquote(path)
         query = url.query.decode("latin-1") if url.query else ""
@@ -219,7 +209,7 @@ class HttpProtocol(asyncio.Protocol):
         expects_continue = http_version == "1.1" and (b"expect", b"100-continue") in (
             (name, value.lower()) for name, value in headers if name == b"expect")
         keep_alive = parser.should_keep_alive() and not parser.should_upgrade()
-        exchange = _Exchange(request, keep_alive, method == "HEAD", expects_continue, raw_path, http_version)
+        exchange = _Exchange(request, keep_alive, method == "HEAD", expects_continue, http_version)
         self._parsing = exchange
         if self._current is None:
             self._arm(self.body_timeout_s + BODY_GRACE_S, self._close)

@@ -26,7 +26,7 @@ class HttpRequest:
     ``route`` is the path template the server matched (``/v1/responses/{response_id}``), for span names."""
 
     __slots__ = ("method", "path", "query", "headers", "route", "params", "on_wait", "_chunks", "_fed", "_taken",
-                 "_complete", "_waiter", "_left", "_left_waiter", "_guard", "_cancelled")
+                 "_complete", "_waiter", "_left", "_guard", "_cancelled")
 
     def __init__(self, method: str, path: str, query: str, headers: list[tuple[bytes, bytes]], route: str = "",
                  params: Mapping[str, str] | None = None) -> None:
@@ -46,7 +46,6 @@ class HttpRequest:
         self._complete = False
         self._waiter: asyncio.Future[None] | None = None
         self._left = False
-        self._left_waiter: asyncio.Future[None] | None = None
         self._guard: asyncio.Task[object] | None = None
         self._cancelled = False
 
@@ -121,12 +120,6 @@ class HttpRequest:
         fired, self._cancelled = self._cancelled, False
         return fired
 
-    async def until_left(self) -> None:
-        """Return once the client has closed its connection."""
-        if not self._left:
-            self._left_waiter = asyncio.get_running_loop().create_future()
-            await self._left_waiter
-
     # called by the server
 
     def feed(self, chunk: bytes) -> None:
@@ -144,8 +137,6 @@ class HttpRequest:
             return
         self._left = True
         self._wake()
-        if self._left_waiter is not None and not self._left_waiter.done():
-            self._left_waiter.set_result(None)
         if self._guard is not None and not self._cancelled:
             self._cancelled = True
             self._guard.cancel()

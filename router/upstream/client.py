@@ -80,7 +80,7 @@ class Fetched:
 class EngineResponse:
     """One answer: its status and headers once they have arrived, its body as it arrives.
 
-    Read it whole (:meth:`read`) or chunk by chunk (:meth:`readany`, ``async for``); then :meth:`release` it (its
+    Read it whole (:meth:`read`) or chunk by chunk (:meth:`readany`), or piped (:meth:`pipe`); then :meth:`release` it (its
     connection goes back to the pool when the answer was complete) or :meth:`close` it (abandoned: its connection is
     closed). A read after the connection failed raises :class:`UpstreamDisconnected`, or :class:`TimeoutError` when
     the request's total deadline passed."""
@@ -155,15 +155,6 @@ class EngineResponse:
             if self._error is not None:
                 raise self._error
             await self._wait()
-
-    def __aiter__(self) -> EngineResponse:
-        return self
-
-    async def __anext__(self) -> bytes:
-        data = await self.readany()
-        if not data:
-            raise StopAsyncIteration
-        return data
 
     def pipe(self, sink: Callable[[bytes], None], on_end: Callable[[BaseException | None], None]) -> None:
         """From now on hand the answer's chunks to ``sink`` as they arrive, from the connection's own callback (no
