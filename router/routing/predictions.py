@@ -37,12 +37,8 @@ class Predictions:
         predicted there (and shared with the peers). Whether the prompt had blocks to predict."""
         keys = routed.keys_for(replica)
         if keys:
-            # The leading blocks the index confirmed there when the request was routed are reused, not predicted:
-            # only the rest of the chain is looked at (the index skips any of it confirmed since).
-            view = routed.views.get(replica)
-            confirmed = 0 if view is None else (view.match.total - view.match.predicted) // len_of_block(routed, replica)
-            self.index.touch(replica, keys[:confirmed])
-            self.index.predict(replica, keys[confirmed:])
+            self.index.touch(replica, keys)
+            self.index.predict(replica, keys)
             if self.on_predicted is not None:
                 self.on_predicted(replica, keys)
         return bool(keys)
@@ -54,9 +50,5 @@ class Predictions:
         keys = routed.keys_for(replica)
         if not keys or routed.matched_tokens(replica) <= reused_tokens:
             return
-        self.index.unpredict(replica, keys[reused_tokens // len_of_block(routed, replica):])
-
-
-def len_of_block(routed: Routed, replica: str) -> int:
-    """The block size ``replica`` keys the prompt with."""
-    return routed.block_sizes.get(replica, routed.request.block_size)
+        block_size = routed.block_sizes.get(replica, routed.request.block_size)
+        self.index.unpredict(replica, keys[reused_tokens // block_size:])

@@ -16,11 +16,10 @@ BS = 4
 
 def routed(index: PrefixIndex, chain: list[int], replica: str) -> Any:
     """A request over ``chain``, routed to ``replica`` on what the index held when it was routed."""
-    match = index.lookup(chain, BS).get(replica, PrefixMatch())
+    matched = index.lookup(chain, BS).get(replica, PrefixMatch()).total
     return SimpleNamespace(
         request=SimpleNamespace(block_size=BS, tenant=None, session_id=None), block_sizes={replica: BS},
-        cache_salt=None, keys_for=lambda name: chain, matched_tokens=lambda name: match.total,
-        views={replica: SimpleNamespace(match=match)},
+        cache_salt=None, keys_for=lambda name: chain, matched_tokens=lambda name: matched,
     )
 
 
