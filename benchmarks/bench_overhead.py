@@ -15,13 +15,15 @@ subscriptions), which is not part of the per-request numbers' story but is spent
 ``--compare-tree DIR`` adds a second kvgate run from another source tree, from that tree's own ``.venv`` (e.g.
 ``git worktree add /tmp/old HEAD~3`` and ``/tmp/old/dev.sh kvgate --help`` once to make it), so a change is measured
 against its predecessor side by side in one run on a noisy machine.
+``--policy NAME`` (repeatable) adds kvgate routing with that policy (``round_robin``: the request path without the
+cost model's decision) beside kvgate with the policy file's default.
 ``--traced`` adds kvgate with tracing on (every request sampled, spans exported over OTLP/HTTP to a sink this
 script runs, which answers every export at once): tracing's cost, paired round by round against kvgate untraced.
 ``--rounds N`` runs every target N times per scenario in a rotated order and reports medians, plus kvgate's CPU per
 request above the bare proxy (and above the ``--compare-tree`` kvgate) paired round by round: single runs on a shared
 2-core machine vary by ~0.2 ms.
 Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick] [--rounds N] [--chars 2000] [--compare-tree DIR]
-[--traced]``.
+[--policy NAME] [--traced]``.
 """
 
 
@@ -38,7 +40,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvgate.loadgen.bench import KVGATE, free_port_block
+from kvgate.loadgen.bench import KVGATE, apply_settings, free_port_block
 from kvgate.loadgen.procs import ChildProcess
 
 MODEL = "kvgate-sim"
@@ -201,7 +203,7 @@ class Target:
 
 
 def start_targets(
-    tmp: Path, with_sglang: bool, compare_tree: Path | None, traced: bool = False
+    tmp: Path, with_sglang: bool, compare_tree: Path | None, traced: bool = False, policies: list[str] | None = None,
 ) -> tuple[list[ChildProcess], list[Target]]:
     """The targets, direct first, and the processes behind them that are not measured (the sim, the OTLP sink)."""
     sim_port, zmq_port = free_port_block(1), free_port_block(2)
@@ -230,6 +232,15 @@ def start_targets(
     kvgate = ChildProcess("kvgate", [*KVGATE, "serve", "--config", str(fleet), "--port", str(kv_port)],
                           tmp / "kvgate.log").start()  # as deployed: one JSON log line per request
     targets.append(Target("kvgate", f"http://127.0.0.1:{kv_port}", kvgate))
+
+    for policy in policies or []:
+        config = tmp / f"fleet-{policy}.yaml"
+        config.write_text(fleet.read_text())
+        apply_settings(config, [f"policy.name={policy}"])
+        port = free_port_block(1)
+        process = ChildProcess(f"kvgate {policy}", [*KVGATE, "serve", "--config", str(config), "--port", str(port)],
+                               tmp / f"kvgate-{policy}.log").start()
+        targets.append(Target(f"kvgate:{policy}", f"http://127.0.0.1:{port}", process))
 
     if traced:
         sink_port, traced_port = free_port_block(1), free_port_block(1)
@@ -382,7 +393,7 @@ def make_document(chars: int) -> str:
 async def main_async(args: argparse.Namespace) -> None:
     with_sglang = importlib.util.find_spec("sglang_router") is not None and not args.no_sglang
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        background, targets = start_targets(Path(tmp), with_sglang, args.compare_tree, args.traced)
+        background, targets = start_targets(Path(tmp), with_sglang, args.compare_tree, args.traced, args.policy)
         try:
             idle = await idle_cpu_ms_per_s(targets, IDLE_SECONDS)
             print("idle CPU ms/s: " + ", ".join(f"{name} {ms:.1f}" for name, ms in idle.items()))
@@ -393,7 +404,7 @@ async def main_async(args: argparse.Namespace) -> None:
             ]
             print(f"targets: {', '.join(t.name for t in targets)}"
                   + ("" if with_sglang else "  (sglang_router not importable: SGLang gateway skipped)"))
-            header = (f"{'chars':>7} {'stream':>6} {'conc':>4}  {'target':<15}{'p50 ms':>8}{'p99 ms':>8}{'added':>8}"
+            header = (f"{'chars':>7} {'stream':>6} {'conc':>4}  {'target':<20}{'p50 ms':>8}{'p99 ms':>8}{'added':>8}"
                       f"{'req/s':>8}{'cpu/req ms':>11}{'ttft ms':>9}{'max gap':>8}{'err':>5}")
             print(header)
             for chars, stream, concurrency, n in scenarios:
@@ -420,7 +431,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     ttfts = [t for r in results for t in r.ttfts_ms]
                     ttft = statistics.median(ttfts) if stream and done else float("nan")
                     gap = max(r.max_gap_ms for r in results)
-                    print(f"{chars:>7} {str(stream):>6} {concurrency:>4}  {name:<15}{p50:>8.2f}"
+                    print(f"{chars:>7} {str(stream):>6} {concurrency:>4}  {name:<20}{p50:>8.2f}"
                           f"{percentile(latencies, 0.99):>8.2f}{p50 - direct:>8.2f}{rate:>8.0f}"
                           f"{cpu_req:>11.3f}{ttft:>9.2f}{gap if stream else float('nan'):>8.1f}"
                           f"{sum(r.errors for r in results):>5}")
@@ -428,11 +439,12 @@ async def main_async(args: argparse.Namespace) -> None:
                     diffs = sorted(k - b for k, b in zip(cpu["kvgate"], cpu["bare-proxy"]))
                     print(f"{'':>21}kvgate - bare-proxy CPU per request, paired by round: median "
                           f"{statistics.median(diffs):.3f} ms (range {diffs[0]:.3f} to {diffs[-1]:.3f})")
-                if args.rounds > 1 and cpu.get("kvgate") and cpu.get("sglang-gateway"):
-                    ratios = sorted(k / g for k, g in zip(cpu["kvgate"], cpu["sglang-gateway"]) if g > 0)
-                    if ratios:
-                        print(f"{'':>21}kvgate / sglang-gateway CPU per request, paired by round: median "
-                              f"{statistics.median(ratios):.2f}x (range {ratios[0]:.2f} to {ratios[-1]:.2f})")
+                for name in ["kvgate", *(f"kvgate:{policy}" for policy in args.policy or [])]:
+                    if args.rounds > 1 and cpu.get(name) and cpu.get("sglang-gateway"):
+                        ratios = sorted(k / g for k, g in zip(cpu[name], cpu["sglang-gateway"]) if g > 0)
+                        if ratios:
+                            print(f"{'':>21}{name} / sglang-gateway CPU per request, paired by round: median "
+                                  f"{statistics.median(ratios):.2f}x (range {ratios[0]:.2f} to {ratios[-1]:.2f})")
                 if args.rounds > 1 and cpu.get("kvgate+traces") and cpu.get("kvgate"):
                     diffs = sorted(t - k for t, k in zip(cpu["kvgate+traces"], cpu["kvgate"]))
                     print(f"{'':>21}kvgate+traces - kvgate CPU per request, paired by round: median "
@@ -471,6 +483,8 @@ def main() -> None:
                         help="only scenarios at this concurrency (repeatable)")
     parser.add_argument("--compare-tree", type=Path, default=None,
                         help="also run kvgate from this source tree's .venv (e.g. a git worktree of an older commit)")
+    parser.add_argument("--policy", action="append",
+                        help="also run kvgate with this routing policy (repeatable), e.g. round_robin")
     parser.add_argument("--traced", action="store_true",
                         help="also run kvgate with tracing on, exporting every request's spans to a local OTLP sink")
     args = parser.parse_args()
