@@ -67,6 +67,11 @@ class _HeadersTooLarge(Exception):
     """Raised inside a parser callback: the request has more header lines than allowed."""
 
 
+class _UnsupportedTransferCoding(Exception):
+    """Raised from a parser callback: the request's body is in a transfer coding other than ``chunked`` (its bytes
+    would reach the endpoint still coded)."""
+
+
 class _Exchange:
     """One request on the connection and the state of its answer."""
 
@@ -192,7 +197,10 @@ class HttpProtocol(asyncio.Protocol):
         self._header_count += 1
         if self._header_count > self.max_headers:
             raise _HeadersTooLarge
-        self._headers.append((name.lower(), value.rstrip(b" \t")))
+        name = name.lower()
+        if name == b"transfer-encoding" and any(coding.strip().lower() != b"chunked" for coding in value.split(b",")):
+            raise _UnsupportedTransferCoding
+        self._headers.append((name, value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
         self._reading_headers = False
@@ -366,9 +374,20 @@ class HttpProtocol(asyncio.Protocol):
             if self._parsing is not None:
                 self._parsing.keep_alive = False
         except httptools.HttpParserError as e:
+            exchange = self._parsing
             if isinstance(e.__context__, _HeadersTooLarge):
                 self._refuse(431, f"the request has more than {self.max_headers} header lines",
                              "request_header_fields_too_large")
+            elif isinstance(e.__context__, _UnsupportedTransferCoding):
+                self._refuse(501, "the only transfer coding kvgate reads is chunked", "unsupported_transfer_coding")
+            elif exchange is not None and exchange is self._current and not exchange.started:
+                # The body of the request being answered broke its framing: that request's endpoint answers 400 in
+                # its API's shape when it reads the body, and the connection closes after it.
+                log.info("refused a request body: malformed HTTP framing")
+                self._parsing = None
+                self._lingering = True  # read nothing more
+                exchange.keep_alive = False
+                exchange.request.malformed()
             else:
                 self._refuse(400, "malformed HTTP request", "invalid_http_request")
             return False

@@ -20,13 +20,18 @@ class ClientLeft(Exception):
     """The client closed its connection before the request's body arrived in full."""
 
 
+class MalformedBody(Exception):
+    """The request's body broke HTTP's framing (a chunk size that is not hex, a chunk cut short): what arrived is
+    not the body the client sent."""
+
+
 class HttpRequest:
     """One request: method, path, query and headers as received (names in lower case), and its body as it arrives.
 
     ``route`` is the path template the server matched (``/v1/responses/{response_id}``), for span names."""
 
     __slots__ = ("method", "path", "query", "headers", "route", "params", "on_wait", "_chunks", "_fed", "_taken",
-                 "_complete", "_waiter", "_left", "_guard", "_cancelled")
+                 "_complete", "_waiter", "_left", "_guard", "_cancelled", "_malformed")
 
     def __init__(self, method: str, path: str, query: str, headers: list[tuple[bytes, bytes]], route: str = "",
                  params: Mapping[str, str] | None = None) -> None:
@@ -48,6 +53,7 @@ class HttpRequest:
         self._left = False
         self._guard: asyncio.Task[object] | None = None
         self._cancelled = False
+        self._malformed = False
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (lower case), or None."""
@@ -95,6 +101,8 @@ class HttpRequest:
                 yield chunk
             if self._complete:
                 return
+            if self._malformed:
+                raise MalformedBody
             if self._left:
                 raise ClientLeft
             if self.on_wait is not None:
@@ -129,6 +137,11 @@ class HttpRequest:
 
     def finish(self) -> None:
         self._complete = True
+        self._wake()
+
+    def malformed(self) -> None:
+        """The body broke HTTP's framing: a reader waiting for the rest raises :class:`MalformedBody`."""
+        self._malformed = True
         self._wake()
 
     def leave(self) -> None:

@@ -15,7 +15,7 @@ import msgspec
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from kvgate.router.core.errors import ApiError
-from kvgate.router.core.http import ClientLeft, HttpRequest
+from kvgate.router.core.http import ClientLeft, HttpRequest, MalformedBody
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ async def read_body(request: HttpRequest, limit: int, timeout_s: float, bounds: 
                     _check_bounds(items, objects, bounds)
     except TimeoutError:
         raise ApiError(408, f"request body not received within {timeout_s:g} s", code="request_timeout") from None
+    except MalformedBody:
+        raise ApiError(400, "the request body's chunked framing is malformed", code="invalid_http_request") from None
     except ClientLeft:
         log.info("client disconnected during the request body upload (%d bytes received)", size)
         raise ApiError(499, "client disconnected during the upload", code="client_closed") from None

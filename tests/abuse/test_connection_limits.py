@@ -1,5 +1,6 @@
 """Connection-level abuse, with no credentials: oversized or countless headers get a 431 without holding the loop, a
 body trickled after an early answer never holds the connection, and malformed HTTP gets an OpenAI-style JSON 400.
+With credentials: a body whose chunked framing breaks is a 400 in its API's shape, another transfer coding a 501.
 
 Each hostile client is a raw socket, as an attacker's would be; the gateway has tenants, so an unauthenticated POST
 is answered (401) before its body is read."""
@@ -108,6 +109,50 @@ def test_headers_within_the_limits_are_served(gw: Gateway) -> None:
 def test_malformed_http_is_a_json_400(gw: Gateway) -> None:
     status, content_type, error = status_and_error(exchange(gw.port, b"NOT HTTP AT ALL\r\n\r\n"))
     assert (status, content_type, error["code"]) == (400, "application/json", "invalid_http_request")
+
+
+def chunked_request(path: str, chunks: bytes, transfer_encoding: bytes = b"chunked") -> bytes:
+    """An authenticated POST of ``path``, the connection closed after it, with a body framed by ``chunks`` as given
+    (well-formed or not)."""
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-alice\r\n"
+            b"connection: close\r\ncontent-type: application/json\r\ntransfer-encoding: " + transfer_encoding
+            + b"\r\n\r\n" + chunks)
+
+
+def chunked(body: bytes) -> bytes:
+    """``body`` as one chunk (with an extension, which a reader must skip) and the last chunk."""
+    return b"%x;ext=1\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+
+
+COMPLETION = b'{"model": "kvgate-sim", "prompt": "hi", "max_tokens": 1}'
+MESSAGE = b'{"model": "kvgate-sim", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def test_a_well_formed_chunked_body_is_served(gw: Gateway) -> None:
+    raw = exchange(gw.port, chunked_request("/v1/completions", chunked(COMPLETION)))
+    assert raw.startswith(b"HTTP/1.1 200 "), raw[:300]
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/messages", MESSAGE)],
+                         ids=["completions", "messages"])
+def test_a_malformed_chunked_body_is_a_400_in_the_apis_shape_then_closed(gw: Gateway, path: str, body: bytes) -> None:
+    raw = exchange(gw.port, chunked_request(path, b"zz\r\n" + body + b"\r\n0\r\n\r\n"))
+    head, _, answer = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), raw[:300]
+    assert b"connection: close" in head.lower()
+    error = json.loads(answer)
+    if path == "/v1/messages":
+        assert (error["type"], error["error"]["type"]) == ("error", "invalid_request_error"), error
+    else:
+        assert error["error"]["code"] == "invalid_http_request", error
+    assert "chunked" in json.dumps(error)
+    assert httpx.get(gw.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_transfer_coding_other_than_chunked_is_a_501(gw: Gateway) -> None:
+    raw = exchange(gw.port, chunked_request("/v1/completions", chunked(COMPLETION), b"gzip, chunked"))
+    status, content_type, error = status_and_error(raw)
+    assert (status, content_type, error["code"]) == (501, "application/json", "unsupported_transfer_coding")
 
 
 class Trickler:
