@@ -60,6 +60,9 @@ class UpstreamBodyTooLarge(UpstreamError):
     """An answer read whole was larger than the caller allows."""
 
 
+ANSWER_HEAD_MAX_BYTES = 64 * 1024
+"""The most an answer's status line and headers may hold: an engine (or whatever answers at its URL) sending more
+fails the attempt rather than growing the gateway's memory for as long as it sends."""
 FETCH_MAX_BYTES = 16 * 1024 * 1024
 """The largest answer :meth:`EngineClient.fetch` reads by default."""
 
@@ -306,6 +309,8 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._informational = False
         self._paused = False
+        self._head_room: int | None = None
+        """Bytes the current answer's head may still take; None once its final head is complete."""
 
     # asyncio protocol callbacks
 
@@ -320,10 +325,28 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.answering = True
+        room = self._head_room
+        if room is not None:
+            if len(data) > room:
+                # Feed only what the head may still take: if it is not complete within that, it is too large.
+                if not self._feed(data[:room]):
+                    return
+                if self._head_room is not None:
+                    self._failed(UpstreamDisconnected(f"the engine's answer head exceeds {ANSWER_HEAD_MAX_BYTES} bytes"))
+                    return
+                data = data[room:]
+            else:
+                self._head_room = room - len(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> bool:
+        """Hand ``data`` to the parser; False when the answer failed for what it held."""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._failed(UpstreamDisconnected(f"the engine's answer is not valid HTTP: {e}"))
+            return False
+        return True
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost says what it means
@@ -354,6 +377,7 @@ class _Connection(asyncio.Protocol):
         self._informational = 100 <= status < 200
         if self._informational or self.response is None:
             return
+        self._head_room = None
         headers = self._headers
         until_close = not any(name in ("content-length", "transfer-encoding") for name, _ in headers)
         self.response._head(status, headers, until_close)
@@ -383,6 +407,7 @@ class _Connection(asyncio.Protocol):
         self.response = response
         self.exchanges += 1
         self.answering = False
+        self._head_room = ANSWER_HEAD_MAX_BYTES
         if body:
             self.transport.writelines((head, body))
         else:

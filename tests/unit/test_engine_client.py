@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvgate.router.upstream.client import (
+    ANSWER_HEAD_MAX_BYTES,
     HIGH_WATER_BYTES,
     EngineClient,
     UpstreamBodyTooLarge,
@@ -429,6 +430,32 @@ async def test_a_malformed_answer_is_an_upstream_disconnect(answer: bytes) -> No
         with pytest.raises(UpstreamDisconnected):
             await get(client, wire.url + "/x")
         await asyncio.wait_for(wire.conns[0].ended.wait(), DEADLINE_S)  # and its connection is closed
+
+
+@pytest.mark.parametrize("shape", ["many headers", "one endless header"])
+async def test_an_answer_head_beyond_its_bound_is_an_upstream_disconnect(shape: str) -> None:
+    """Whatever answers at an engine's URL cannot grow the gateway's memory with a head that never ends."""
+    head = (b"".join(b"x-%d: %s\r\n" % (i, b"a" * 100) for i in range(ANSWER_HEAD_MAX_BYTES // 100))
+            if shape == "many headers" else b"x-big: " + b"a" * (2 * ANSWER_HEAD_MAX_BYTES))
+
+    async def handler(conn: Conn) -> None:
+        await conn.next_request()
+        await conn.answer(b"HTTP/1.1 200 OK\r\n" + head)  # never ends its head
+        await conn.until_end()
+
+    async with wire_server(handler) as wire, EngineClient(max_per_origin=4) as client:
+        with pytest.raises(UpstreamDisconnected, match="head exceeds"):
+            await get(client, wire.url + "/x")
+        await asyncio.wait_for(wire.conns[0].ended.wait(), DEADLINE_S)  # and its connection is closed
+
+
+async def test_a_head_within_its_bound_arriving_with_a_large_body_is_read_whole() -> None:
+    head_fill = b"x-fill: " + b"a" * (ANSWER_HEAD_MAX_BYTES - 200) + b"\r\n"
+    body = b"y" * (4 * ANSWER_HEAD_MAX_BYTES)
+    answer = b"HTTP/1.1 200 OK\r\n" + head_fill + b"content-length: %d\r\n\r\n" % len(body) + body
+    async with wire_server(answering(answer)) as wire, EngineClient(max_per_origin=4) as client:
+        for _ in range(2):  # the bound starts again with each answer on the kept-alive connection
+            assert await get(client, wire.url + "/x") == (200, body)
 
 
 async def test_a_refused_connection_is_an_upstream_connect_error() -> None:
