@@ -403,7 +403,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 (100_000, False, 1, 60), (100_000, True, 1, 60), (100_000, False, 64, 200), (100_000, True, 64, 200),
             ]
             print(f"targets: {', '.join(t.name for t in targets)}"
-                  + ("" if with_sglang else "  (sglang_router not importable: SGLang gateway skipped)"))
+                  + ("" if with_sglang else "  (SGLang gateway skipped: --no-sglang, or sglang_router not importable)"))
             header = (f"{'chars':>7} {'stream':>6} {'conc':>4}  {'target':<20}{'p50 ms':>8}{'p99 ms':>8}{'added':>8}"
                       f"{'req/s':>8}{'cpu/req ms':>11}{'ttft ms':>9}{'max gap':>8}{'err':>5}")
             print(header)
