@@ -332,7 +332,8 @@ class _Connection(asyncio.Protocol):
                 if not self._feed(data[:room]):
                     return
                 if self._head_room is not None:
-                    self._failed(UpstreamDisconnected(f"the engine's answer head exceeds {ANSWER_HEAD_MAX_BYTES} bytes"))
+                    self._failed(UpstreamDisconnected(
+                        f"the engine's answer head exceeds {ANSWER_HEAD_MAX_BYTES} bytes"))
                     return
                 data = data[room:]
             else:
