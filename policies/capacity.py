@@ -74,3 +74,14 @@ def eviction_ms(view: ReplicaView, new_tokens: int) -> float:
         return 0.0
     evicted = new_tokens - max(free, 0)
     return evicted * view.cache_margin.ms_per_token if evicted > 0 else 0.0
+
+
+def copy_eviction_ms(view: ReplicaView, new_tokens: int, least_tokens: int) -> float:
+    """What storing ``new_tokens`` on ``view``'s replica evicts beyond what storing ``least_tokens`` there would: the
+    price of a copy, when ``least_tokens`` is the fewest new tokens any replica the request could go to must store
+    (a cold prompt's, a warm holder's uncached suffix). Those the fleet stores wherever the request goes, so they
+    are not priced: doing so would send new work to the replica whose cache is worth least at the margin, which is
+    the one churning fastest, the busiest."""
+    if new_tokens <= least_tokens:
+        return 0.0
+    return eviction_ms(view, new_tokens) - eviction_ms(view, least_tokens)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from kvgate.policies.base import Decision, ReplicaView, RouteRequest
-from kvgate.policies.capacity import eviction_ms
+from kvgate.policies.capacity import copy_eviction_ms
 from kvgate.policies.config import CostPolicyConfig, DisaggregationConfig
 from kvgate.policies.cost_model import CostModel, Estimate, TransferEstimate
 from kvgate.policies.disaggregation import decode_target, has_prefill_replicas, prefill_candidates
@@ -28,7 +28,7 @@ class _Candidate:
     interference_ms: float
     """Delay ``work_ms`` imposes on other requests arriving where it runs (:meth:`CostModel.interference_ms`)."""
     eviction_ms: float
-    """Prefill the fleet loses to what the candidate's new blocks evict (:func:`policies.capacity.eviction_ms`)."""
+    """Prefill the fleet loses to what the candidate's copy evicts (:func:`policies.capacity.copy_eviction_ms`)."""
     load: int
     transfer: TransferEstimate | None = None
     """The handoff: a warm transfer's, or a disaggregated request's (``disaggregated``)."""
@@ -63,9 +63,10 @@ class CostPolicy:
     and the fleet's users feel is the mean TTFT over all requests, not this one's alone. Without it, a request
     whose holder is briefly busy recomputes a long prefix on an idle replica to save itself a few milliseconds and
     holds up that replica's next arrivals for far longer. Also added (``eviction_weight``): the prefill the fleet will
-    lose to the evictions the candidate's new blocks cause on a full replica (:mod:`policies.capacity`) — a second
-    copy of a long document is not free when it displaces another document someone will ask for again. Pick the
-    minimum. A transfer from a routable source never
+    lose to the evictions a candidate's copy causes on a full replica (:mod:`policies.capacity`) — a second copy of a
+    long document is not free when it displaces another document someone will ask for again. Only the copy is
+    priced, the blocks beyond the fewest any candidate must store (:func:`policies.capacity.copy_eviction_ms`). Pick
+    the minimum. A transfer from a routable source never
     beats routing to that source (its first leg waits in the same queue); it wins when the warm replica takes no new
     requests — a drained replica's long prefix is pulled instead of recomputed — and loses to recompute for short
     prefixes, where link setup dominates.
@@ -97,7 +98,7 @@ class CostPolicy:
         approximate_match_weight: 0.5 — matches from approximate token ids are credited at this fraction, and
             approximate requests are never transferred (the prefix they would move may not be theirs).
         interference_weight: 1 — weight of the delay a candidate's prefill imposes on its replica's other arrivals.
-        eviction_weight: 1 — weight of the prefill lost to what a candidate's new blocks evict.
+        eviction_weight: 1 — weight of the prefill lost to what a candidate's copy evicts.
         decode_stall_weight: 1 — weight of the stall a local prefill puts on running decodes (fleets with prefill
             replicas only).
         disaggregation: ``mode`` (cost, always, threshold) and ``threshold_tokens``.
@@ -124,22 +125,23 @@ class CostPolicy:
         queues = {v.name: model.queue_delay_ms(v) for v in views}
         estimates = {v.name: model.estimate(request, v, weight, queues[v.name]) for v in views}
         rates = expected_arrival_rates(views, {name: e.cached_tokens for name, e in estimates.items()})
+        stored = min(e.new_tokens for e in estimates.values())
         split = has_prefill_replicas(replicas)
         candidates = []
         for v in views:
             e = estimates[v.name]
             candidates.append(self._candidate(
                 v, e.ttft_ms, e.prefill_ms, self._interference(rates[v.name], e.prefill_ms),
-                self._eviction(v, e.new_tokens), None, self._stall(v, e.prefill_ms) if split else 0.0,
+                self._eviction(v, e.new_tokens, stored), None, self._stall(v, e.prefill_ms) if split else 0.0,
             ))
         source = None
         if model.transfer_enabled and not request.approximate:
             source = self._transfer_source(replicas, queues)
         if source is not None:
-            candidates += self._transfer_candidates(request, source, views, estimates, queues, rates)
+            candidates += self._transfer_candidates(request, source, views, estimates, queues, rates, stored)
         alternatives = candidates
         if split:
-            disaggregated = self._disaggregated_candidates(request, replicas, views, queues, rates)
+            disaggregated = self._disaggregated_candidates(request, replicas, views, queues, rates, stored)
             alternatives = candidates + disaggregated
             candidates = self._by_mode(candidates, disaggregated, estimates)
 
@@ -200,6 +202,7 @@ class CostPolicy:
         views: list[ReplicaView],
         queues: dict[str, float],
         rates: dict[str, float],
+        stored: int,
     ) -> list[_Candidate]:
         """Prefill on each prefill replica that may (its queue, then the prompt tokens it lacks: cache-aware), hand
         the KV to the decode replica (:func:`policies.disaggregation.decode_target`). The prefill replica's prefill
@@ -220,7 +223,8 @@ class CostPolicy:
             )
             found.append(self._candidate(
                 decode, estimate.ms, estimate.source_prefill_ms + estimate.dest_step_ms, interference,
-                self._eviction(decode, estimate.tokens), estimate, self._stall(decode, estimate.dest_step_ms), True,
+                self._eviction(decode, estimate.tokens, stored), estimate, self._stall(decode, estimate.dest_step_ms),
+                True,
             ))
         return found
 
@@ -245,8 +249,8 @@ class CostPolicy:
     def _interference(self, arrival_rate_per_s: float, work_ms: float) -> float:
         return self.cost_model.interference_ms(arrival_rate_per_s, work_ms) if self.config.interference_weight else 0.0
 
-    def _eviction(self, view: ReplicaView, new_tokens: int) -> float:
-        return eviction_ms(view, new_tokens) if self.config.eviction_weight else 0.0
+    def _eviction(self, view: ReplicaView, new_tokens: int, stored: int) -> float:
+        return copy_eviction_ms(view, new_tokens, stored) if self.config.eviction_weight else 0.0
 
     def _transfer_source(self, replicas: Sequence[ReplicaView], queues: dict[str, float]) -> ReplicaView | None:
         """The replica holding the longest prefix among those that can serve a first leg (least queued on a tie),
@@ -269,6 +273,7 @@ class CostPolicy:
         estimates: dict[str, Estimate],
         queues: dict[str, float],
         rates: dict[str, float],
+        stored: int,
     ) -> list[_Candidate]:
         """Pull ``source``'s prefix to each other routable replica, where that beats serving there by recompute.
 
@@ -291,7 +296,7 @@ class CostPolicy:
                 interference = self._interference(source_rate, estimate.source_prefill_ms) + self._interference(
                     rates[dest.name], estimate.dest_step_ms
                 )
-                eviction = self._eviction(dest, estimate.tokens)
+                eviction = self._eviction(dest, estimate.tokens, stored)
                 found.append(self._candidate(dest, estimate.ms, work, interference, eviction, estimate))
         return found
 
@@ -339,14 +344,19 @@ class CostPolicy:
     ) -> dict[str, object]:
         """Per-replica rows for the routing candidates, plus the transfer source's when it is not one of them
         (draining: its queue and cache are what the transfers were priced from) and the prefill replicas'."""
-        replicas = {v.name: replica_numbers(v, estimates[v.name], rates[v.name], self.cost_model) for v in views}
+        least = min(e.new_tokens for e in estimates.values())
+        replicas = {
+            v.name: replica_numbers(v, estimates[v.name], rates[v.name], self.cost_model, least) for v in views
+        }
         # the transfer source and the prefill replicas are not routing candidates: their rows price a prefill there
         others = [source] if source is not None else []
         others += [v for v in fleet if v.role == "prefill"]
         for other in others:
             if other.name not in replicas:
                 estimate = self.cost_model.estimate(request, other, queue_delay_ms=queues.get(other.name))
-                replicas[other.name] = replica_numbers(other, estimate, other.arrival_rate_per_s, self.cost_model)
+                replicas[other.name] = replica_numbers(
+                    other, estimate, other.arrival_rate_per_s, self.cost_model, least
+                )
         details: dict[str, object] = {"replicas": replicas}
         transfers = [c.transfer.as_dict() for c in candidates if c.transfer is not None and not c.disaggregated]
         if transfers:

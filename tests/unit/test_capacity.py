@@ -8,7 +8,7 @@ import pytest
 
 from kvgate.cache_index.match import PrefixMatch
 from kvgate.policies.base import CacheMargin, ReplicaView, RouteRequest
-from kvgate.policies.capacity import HeldPrefix, cache_margin, eviction_ms, free_tokens
+from kvgate.policies.capacity import HeldPrefix, cache_margin, copy_eviction_ms, eviction_ms, free_tokens
 from kvgate.policies.config import CostPolicyConfig, PrefillCost, ReplicationConfig, TransferConfig
 from kvgate.policies.cost import CostPolicy
 from kvgate.policies.cost_model import CostModel
@@ -85,6 +85,18 @@ def test_in_flight_prefills_take_free_room() -> None:
     assert eviction_ms(busy, DOC) == pytest.approx(DOC * PER_TOKEN)
 
 
+def test_only_the_copy_is_priced() -> None:
+    """What a request stores wherever it goes (a cold prompt; a warm holder's uncached suffix) is not a copy: only
+    the tokens beyond the fewest any replica must store are priced, at the margin, after the free room."""
+    margin = cache_margin(held(6, rate=1.0, oldest_age_s=8.0), PER_TOKEN, NOW)
+    full = replica("r", held_tokens=CAPACITY, margin=margin)
+    assert copy_eviction_ms(full, DOC, DOC) == 0.0
+    assert copy_eviction_ms(full, DOC + 128, 128) == pytest.approx(DOC * PER_TOKEN)
+    # 4,000 tokens of room: the suffix takes 128 of them, the copy's first 3,872 fill the rest.
+    roomy = replica("r", held_tokens=CAPACITY - 4_000, margin=margin)
+    assert copy_eviction_ms(roomy, DOC + 128, 128) == pytest.approx((DOC + 128 - 4_000) * PER_TOKEN)
+
+
 def cost_policy(**config: object) -> CostPolicy:
     model = CostModel(PrefillCost(), {}, TransferConfig(), 320 * 1024)
     return CostPolicy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0, **config), model,
@@ -104,10 +116,28 @@ def test_cost_waits_on_a_busy_holder_rather_than_displace_hot_documents() -> Non
     decision = cost_policy().decide(request, [holder, idle_full], explain=True)
     assert decision.replica == "holder"
     rows = decision.details["replicas"]
-    assert rows["idle"]["eviction_ms"] == pytest.approx((DOC + 128) * PER_TOKEN)
+    # the copy is the document: the 128 new tokens are stored wherever the request goes
+    assert rows["idle"]["eviction_ms"] == pytest.approx(DOC * PER_TOKEN)
     assert rows["idle"]["free_tokens"] == 0 and rows["idle"]["cache_margin"]["ms_per_token"] == pytest.approx(PER_TOKEN)
     # With free room the copy displaces nothing, and recomputing on the idle replica wins again.
     assert cost_policy().decide(request, [holder, idle_empty]).replica == "idle"
+
+
+def test_cold_prompts_are_not_sent_to_the_busiest_replica_for_its_cheap_cache() -> None:
+    """Both replicas are full. The busy one churns its cache (its tail is seldom asked for again), the quiet one
+    holds documents asked for every second. A cold prompt evicts a prompt's worth of blocks wherever it goes, so
+    what decides is the load, not which cache is cheaper to evict from: a cheap margin is what a busy replica has."""
+    request = RouteRequest(request_id="r", model="m", prompt_tokens=DOC, block_size=16)
+    cold_tail = cache_margin(held(6, rate=0.005, oldest_age_s=8.0), PER_TOKEN, NOW)
+    hot_tail = cache_margin(held(6, rate=1.0, oldest_age_s=8.0), PER_TOKEN, NOW)
+    busy = replica("busy", held_tokens=CAPACITY, margin=cold_tail, in_flight=3)  # three sequences decoding
+    quiet = replica("quiet", held_tokens=CAPACITY, margin=hot_tail)
+    for seed in range(10):
+        policy = CostPolicy(CostPolicyConfig(), CostModel(PrefillCost(), {}, TransferConfig(), 320 * 1024),
+                            random.Random(seed))
+        decision = policy.decide(request, [busy, quiet], explain=True)
+        assert (decision.replica, decision.reason) == ("quiet", "cold")
+    assert decision.details["replicas"]["quiet"]["eviction_ms"] == 0.0
 
 
 def test_warm_ups_pay_for_what_they_evict() -> None:
