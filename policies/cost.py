@@ -125,23 +125,23 @@ class CostPolicy:
         queues = {v.name: model.queue_delay_ms(v) for v in views}
         estimates = {v.name: model.estimate(request, v, weight, queues[v.name]) for v in views}
         rates = expected_arrival_rates(views, {name: e.cached_tokens for name, e in estimates.items()})
-        stored = min(e.new_tokens for e in estimates.values())
+        least_new = min(e.new_tokens for e in estimates.values())
         split = has_prefill_replicas(replicas)
         candidates = []
         for v in views:
             e = estimates[v.name]
             candidates.append(self._candidate(
                 v, e.ttft_ms, e.prefill_ms, self._interference(rates[v.name], e.prefill_ms),
-                self._eviction(v, e.new_tokens, stored), None, self._stall(v, e.prefill_ms) if split else 0.0,
+                self._eviction(v, e.new_tokens, least_new), None, self._stall(v, e.prefill_ms) if split else 0.0,
             ))
         source = None
         if model.transfer_enabled and not request.approximate:
             source = self._transfer_source(replicas, queues)
         if source is not None:
-            candidates += self._transfer_candidates(request, source, views, estimates, queues, rates, stored)
+            candidates += self._transfer_candidates(request, source, views, estimates, queues, rates, least_new)
         alternatives = candidates
         if split:
-            disaggregated = self._disaggregated_candidates(request, replicas, views, queues, rates, stored)
+            disaggregated = self._disaggregated_candidates(request, replicas, views, queues, rates, least_new)
             alternatives = candidates + disaggregated
             candidates = self._by_mode(candidates, disaggregated, estimates)
 
@@ -158,7 +158,9 @@ class CostPolicy:
 
         details: dict[str, object] = {}
         if explain:
-            details = self._details(request, replicas, views, estimates, candidates, chosen, source, queues, rates)
+            details = self._details(
+                request, replicas, views, estimates, candidates, chosen, source, queues, rates, least_new
+            )
             if split:
                 details["disaggregation"] = self._split_details(replicas, alternatives, queues)
         return Decision(
@@ -202,7 +204,7 @@ class CostPolicy:
         views: list[ReplicaView],
         queues: dict[str, float],
         rates: dict[str, float],
-        stored: int,
+        least_new: int,
     ) -> list[_Candidate]:
         """Prefill on each prefill replica that may (its queue, then the prompt tokens it lacks: cache-aware), hand
         the KV to the decode replica (:func:`policies.disaggregation.decode_target`). The prefill replica's prefill
@@ -223,8 +225,8 @@ class CostPolicy:
             )
             found.append(self._candidate(
                 decode, estimate.ms, estimate.source_prefill_ms + estimate.dest_step_ms, interference,
-                self._eviction(decode, estimate.tokens, stored), estimate, self._stall(decode, estimate.dest_step_ms),
-                True,
+                self._eviction(decode, estimate.tokens, least_new), estimate,
+                self._stall(decode, estimate.dest_step_ms), True,
             ))
         return found
 
@@ -249,8 +251,8 @@ class CostPolicy:
     def _interference(self, arrival_rate_per_s: float, work_ms: float) -> float:
         return self.cost_model.interference_ms(arrival_rate_per_s, work_ms) if self.config.interference_weight else 0.0
 
-    def _eviction(self, view: ReplicaView, new_tokens: int, stored: int) -> float:
-        return copy_eviction_ms(view, new_tokens, stored) if self.config.eviction_weight else 0.0
+    def _eviction(self, view: ReplicaView, new_tokens: int, least_new: int) -> float:
+        return copy_eviction_ms(view, new_tokens, least_new) if self.config.eviction_weight else 0.0
 
     def _transfer_source(self, replicas: Sequence[ReplicaView], queues: dict[str, float]) -> ReplicaView | None:
         """The replica holding the longest prefix among those that can serve a first leg (least queued on a tie),
@@ -273,7 +275,7 @@ class CostPolicy:
         estimates: dict[str, Estimate],
         queues: dict[str, float],
         rates: dict[str, float],
-        stored: int,
+        least_new: int,
     ) -> list[_Candidate]:
         """Pull ``source``'s prefix to each other routable replica, where that beats serving there by recompute.
 
@@ -296,7 +298,7 @@ class CostPolicy:
                 interference = self._interference(source_rate, estimate.source_prefill_ms) + self._interference(
                     rates[dest.name], estimate.dest_step_ms
                 )
-                eviction = self._eviction(dest, estimate.tokens, stored)
+                eviction = self._eviction(dest, estimate.tokens, least_new)
                 found.append(self._candidate(dest, estimate.ms, work, interference, eviction, estimate))
         return found
 
@@ -341,12 +343,12 @@ class CostPolicy:
         source: ReplicaView | None,
         queues: dict[str, float],
         rates: dict[str, float],
+        least_new: int,
     ) -> dict[str, object]:
         """Per-replica rows for the routing candidates, plus the transfer source's when it is not one of them
         (draining: its queue and cache are what the transfers were priced from) and the prefill replicas'."""
-        least = min(e.new_tokens for e in estimates.values())
         replicas = {
-            v.name: replica_numbers(v, estimates[v.name], rates[v.name], self.cost_model, least) for v in views
+            v.name: replica_numbers(v, estimates[v.name], rates[v.name], self.cost_model, least_new) for v in views
         }
         # the transfer source and the prefill replicas are not routing candidates: their rows price a prefill there
         others = [source] if source is not None else []
@@ -355,7 +357,7 @@ class CostPolicy:
             if other.name not in replicas:
                 estimate = self.cost_model.estimate(request, other, queue_delay_ms=queues.get(other.name))
                 replicas[other.name] = replica_numbers(
-                    other, estimate, other.arrival_rate_per_s, self.cost_model, least
+                    other, estimate, other.arrival_rate_per_s, self.cost_model, least_new
                 )
         details: dict[str, object] = {"replicas": replicas}
         transfers = [c.transfer.as_dict() for c in candidates if c.transfer is not None and not c.disaggregated]
