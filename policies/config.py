@@ -43,9 +43,11 @@ class CostPolicyConfig(Section):
     (queue scale × arrival rate × prefill² / 2: a queue delay, scaled as calibration scales the queue term), added to
     its predicted TTFT when candidates are compared; 0 compares TTFT alone."""
     eviction_weight: float = Field(1.0, ge=0)
-    """Weight of the prefill the fleet is expected to lose to the evictions a candidate's new blocks cause on a full
-    replica (the tokens beyond its free room × its cache's value per token at the margin), added when candidates are
-    compared; 0 ignores cache capacity."""
+    """Weight of the prefill the fleet is expected to lose to the evictions a candidate's copy causes on a full
+    replica (its new tokens beyond the fewest any candidate must store, beyond its free room, × its cache's value per
+    token at the margin), added when candidates are compared; 0 ignores cache capacity. What a request stores wherever
+    it goes (a cold prompt, a warm holder's uncached suffix) is not priced: the cheapest cache to evict from is the
+    fastest-churning, the busiest replica's."""
     decode_stall_weight: float = Field(1.0, ge=0)
     """In a fleet with prefill replicas: weight of the stall a candidate's prefill puts on the sequences decoding on
     its replica (running decodes × prefill ms: with chunked prefill each of them waits for it), added when candidates
