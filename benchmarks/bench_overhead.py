@@ -412,6 +412,8 @@ async def main_async(args: argparse.Namespace) -> None:
                     continue
                 if args.concurrency and concurrency not in args.concurrency:
                     continue
+                if args.stream is not None and stream != (args.stream == "yes"):
+                    continue
                 document = make_document(chars)
                 rounds: dict[str, list[Result]] = {t.name: [] for t in targets}
                 for k in range(args.rounds):  # each round runs every target, starting one later each time
@@ -481,6 +483,8 @@ def main() -> None:
                         help="only scenarios with this prompt size (repeatable)")
     parser.add_argument("--concurrency", type=int, action="append", choices=(1, 64),
                         help="only scenarios at this concurrency (repeatable)")
+    parser.add_argument("--stream", choices=("yes", "no"), default=None,
+                        help="only the streamed scenarios, or only the ones answered whole")
     parser.add_argument("--compare-tree", type=Path, default=None,
                         help="also run kvgate from this source tree's .venv (e.g. a git worktree of an older commit)")
     parser.add_argument("--policy", action="append",
