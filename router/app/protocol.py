@@ -75,7 +75,7 @@ class _UnsupportedTransferCoding(Exception):
 class _Exchange:
     """One request on the connection and the state of its answer."""
 
-    __slots__ = ("request", "keep_alive", "head_only", "expects_continue", "http_version", "started", "done", "task")
+    __slots__ = ("request", "keep_alive", "head_only", "expects_continue", "http_version", "started", "done")
 
     def __init__(self, request: HttpRequest, keep_alive: bool, head_only: bool, expects_continue: bool,
                  http_version: str) -> None:
@@ -87,7 +87,6 @@ class _Exchange:
         self.started = False
         """Whether the answer's head has been written."""
         self.done = False
-        self.task: asyncio.Task[None] | None = None
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -254,7 +253,7 @@ class HttpProtocol(asyncio.Protocol):
         request = exchange.request
         request.on_wait = functools.partial(self._reading, exchange)
         endpoint, request.route, request.params = self.routes.resolve(request.method, request.path)
-        task = exchange.task = self.loop.create_task(self._serve(exchange, endpoint))
+        task = self.loop.create_task(self._serve(exchange, endpoint))
         tasks = self.server_state.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -327,6 +326,9 @@ class HttpProtocol(asyncio.Protocol):
     def _finished(self, exchange: _Exchange) -> None:
         """The answer is out: the next pipelined request, or the idle timer; a connection not kept alive closes
         (lingering when the request's body never arrived in full)."""
+        # The request's callback holds the exchange, which holds the request: cleared, refcounting frees both and
+        # the cycle collector has no per-request garbage to find.
+        exchange.request.on_wait = None
         if exchange.done:
             return
         exchange.done = True
