@@ -32,7 +32,7 @@ import zlib
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Literal, Sequence
+from typing import Any, Awaitable, Callable, Literal, Sequence, TypeVar
 
 import jinja2
 import xxhash
@@ -50,6 +50,7 @@ from kvgate.router.prompts.request_templates import RequestTemplateRenderer, Tem
 from kvgate.router.prompts.splitter import Piece, PromptSplitter
 
 Source = Literal["local", "engine", "approximate", "ids"]
+T = TypeVar("T")
 EngineTokenize = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 """Sends a vLLM ``/tokenize`` body (``{"model", "prompt"}`` or ``{"model", "messages", ...}``) to a replica serving
 the model and returns the decoded JSON response (``{"count", "tokens", ...}``); raises on any failure."""
@@ -104,12 +105,46 @@ class TokenizerStats:
     cache_bytes: int
 
 
+class _CpuTime:
+    """The CPU time one prompt costs: this thread's from construction to :meth:`stop`, less what ran while the prompt
+    awaited (other requests' work), plus what its worker-thread jobs took. The clock is read only at those points
+    (each reading is a system call), so a prompt tokenized wholly on the loop costs two."""
+
+    __slots__ = ("_spent", "_since")
+
+    def __init__(self) -> None:
+        self._spent = 0.0
+        self._since = time.thread_time()
+
+    def stop(self) -> float:
+        """Seconds of CPU so far (call once, at the end)."""
+        return self._spent + time.thread_time() - self._since
+
+    async def awaiting(self, work: Awaitable[T]) -> T:
+        """``work`` awaited off this prompt's clock: the loop runs other requests meanwhile."""
+        self._spent += time.thread_time() - self._since
+        try:
+            return await work
+        finally:
+            self._since = time.thread_time()
+
+    async def off_loop(self, pool: ThreadPoolExecutor, job: Callable[..., T], *args: Any) -> T:
+        """``job(*args)`` on a worker thread of ``pool``, its CPU time there counted."""
+        return await self.awaiting(asyncio.get_running_loop().run_in_executor(pool, self._timed, job, args))
+
+    def _timed(self, job: Callable[..., T], args: tuple[Any, ...]) -> T:
+        started = time.thread_time()
+        try:
+            return job(*args)
+        finally:
+            self._spent += time.thread_time() - started
+
+
 @dataclass(slots=True)
 class _Prepared:
     """What :meth:`PromptTokenizer._prepare` did: the parsed prompt, and its ids or text when it got that far."""
 
     prompt: CompletionPrompt | ChatPrompt
-    cpu_s: float
     ids: array[int] | None = None
     source: Source = "local"
     text: str | None = None
@@ -219,25 +254,25 @@ class PromptTokenizer:
         scope = cache_scope(model, namespace)
         whole = body_bytes > INLINE_BODY_BYTES
         prepare = functools.partial(self._prepare, local, prompt_of, scope, max_model_len, whole)
+        cpu = _CpuTime()
         if whole:
-            prepared = await asyncio.get_running_loop().run_in_executor(self._pool, prepare)
+            prepared = await cpu.off_loop(self._pool, prepare)
         else:
             prepared = prepare()
-        prompt, cpu = prepared.prompt, prepared.cpu_s
+        prompt = prepared.prompt
         count = prompt.prompt_count if isinstance(prompt, CompletionPrompt) else 1
         if prepared.ids is not None:
             return self._done(prepared.ids, prepared.source, cpu, count, prepared.shared_tokens)
         if local is not None and prepared.failed is None and self._renders_locally(local, prompt):
             try:
                 if prepared.planned is not None:
-                    text = await self._render_request_template(local, prepared.planned, scope)
+                    text = await cpu.awaiting(self._render_request_template(local, prepared.planned, scope))
                 else:
                     assert prepared.text is not None
                     text = prepared.text
-                ids, text_cpu = await self._text_ids(local, prompt, text, scope)
-                started = time.thread_time()
+                ids = await self._text_ids(local, prompt, text, scope, cpu)
                 shared = self._shared_tokens(local, prompt, text, ids, scope)
-                return self._done(ids, "local", cpu + text_cpu + time.thread_time() - started, count, shared)
+                return self._done(ids, "local", cpu, count, shared)
             except PromptError:
                 raise
             except Exception as err:  # a bug or a tokenizer failure must not fail the request: route on a fallback
@@ -246,14 +281,14 @@ class PromptTokenizer:
             log.error("local tokenization failed for model %s", model, exc_info=prepared.failed)
             self._local_errors += 1
         if self._engine_tokenize is not None:
-            engine_ids = await self._ask_engine(model, prompt)
+            engine_ids = await cpu.awaiting(self._ask_engine(model, prompt))
             if engine_ids is not None:
                 return self._done(engine_ids, "engine", cpu, count)
         if text_chars(prompt) <= INLINE_PROMPT_CHARS:
-            ids, approximate_cpu = _approximate(prompt)
+            ids = _approximate(prompt)
         else:
-            ids, approximate_cpu = await asyncio.get_running_loop().run_in_executor(self._pool, _approximate, prompt)
-        return self._done(ids, "approximate", cpu + approximate_cpu, count)
+            ids = await cpu.off_loop(self._pool, _approximate, prompt)
+        return self._done(ids, "approximate", cpu, count)
 
     def _prepare(
         self, local: _LocalModel | None, prompt_of: Callable[[], Prompt], scope: str, max_model_len: int | None,
@@ -261,15 +296,13 @@ class PromptTokenizer:
     ) -> _Prepared:
         """What runs before any await (on the loop for a small body, else on a worker thread): the body parsed and
         checked against the limits and the model's length; a prompt of token ids as they are; and with the model's
-        own template (or a completions prompt), the prompt text, and with ``whole`` its ids too. CPU time is this
-        thread's."""
-        started = time.thread_time()
+        own template (or a completions prompt), the prompt text, and with ``whole`` its ids too."""
         prompt = prompt_of()
         check_limits(prompt, self.limits)
         if isinstance(prompt, CompletionPrompt) and prompt.ids is not None:
-            return _Prepared(prompt, time.thread_time() - started, ids=prompt.ids, source="ids")
+            return _Prepared(prompt, ids=prompt.ids, source="ids")
         if local is None or not self._renders_locally(local, prompt):
-            return _Prepared(prompt, time.thread_time() - started)
+            return _Prepared(prompt)
         _check_token_bound(local, prompt, max_model_len)
         try:
             if isinstance(prompt, CompletionPrompt):
@@ -277,21 +310,22 @@ class PromptTokenizer:
             else:
                 planned = self._plan(local, prompt)
                 if planned.template is None:  # the sandboxed renderer is awaited
-                    return _Prepared(prompt, time.thread_time() - started, planned=planned)
+                    return _Prepared(prompt, planned=planned)
                 text = self._render_model_template(planned)
             assert text is not None
             if not whole:
-                return _Prepared(prompt, time.thread_time() - started, text=text)
+                return _Prepared(prompt, text=text)
             pieces, found, missing = self._look_up(local, text, scope)
             ids = self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
             shared = self._shared_tokens(local, prompt, text, ids, scope)
         except PromptError:
             raise
         except Exception as err:  # counted and logged on the loop
-            return _Prepared(prompt, time.thread_time() - started, failed=err)
-        return _Prepared(prompt, time.thread_time() - started, ids=ids, source="local", shared_tokens=shared)
+            return _Prepared(prompt, failed=err)
+        return _Prepared(prompt, ids=ids, source="local", shared_tokens=shared)
 
-    def _done(self, ids: array[int], source: Source, cpu_s: float, count: int, shared: int = 0) -> TokenizedPrompt:
+    def _done(self, ids: array[int], source: Source, cpu: _CpuTime, count: int, shared: int = 0) -> TokenizedPrompt:
+        cpu_s = cpu.stop()
         self._by_source[source] += 1
         self._cpu_seconds += cpu_s
         return TokenizedPrompt(ids, source == "approximate", source, cpu_s * 1000.0, count, shared)
@@ -335,35 +369,27 @@ class PromptTokenizer:
         return pieces, found, [key for key, ids in zip(keys, found) if ids is None]
 
     async def _text_ids(
-        self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, scope: str
-    ) -> tuple[array[int], float]:
+        self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, scope: str, cpu: _CpuTime,
+    ) -> array[int]:
         """A small body's prompt text to ids: cut into pieces and cached pieces taken on the loop (a look-up each),
         then the pieces the cache lacks encoded on the loop when they are short, else on a worker thread
         (``INLINE_PROMPT_CHARS``). Encoding is the only costly step, so a warm prompt never pays the hop. Text
         rendered by a request's template can be long whatever the body: then all of it goes to the worker."""
-        loop = asyncio.get_running_loop()
         if len(text) > INLINE_BODY_BYTES:
-            return await loop.run_in_executor(self._pool, self._text_ids_timed, local, prompt, text, scope)
-        started = time.thread_time()
+            return await cpu.off_loop(self._pool, self._text_ids_off_loop, local, prompt, text, scope)
         pieces, found, missing = self._look_up(local, text, scope)
         if sum(len(key[1]) for key in missing) <= INLINE_PROMPT_CHARS:
-            # All on the loop, with no await: one CPU reading covers it (each costs a system call).
             encoded = self._encode_pieces(local, missing)
-            return self._join(local, prompt, pieces, found, encoded), time.thread_time() - started
-        loop_cpu = time.thread_time() - started
-        encoded, encode_cpu = await loop.run_in_executor(self._pool, self._encode_pieces_timed, local, missing)
-        started = time.thread_time()
-        joined = self._join(local, prompt, pieces, found, encoded)
-        return joined, loop_cpu + encode_cpu + time.thread_time() - started
+        else:
+            encoded = await cpu.off_loop(self._pool, self._encode_pieces, local, missing)
+        return self._join(local, prompt, pieces, found, encoded)
 
-    def _text_ids_timed(
+    def _text_ids_off_loop(
         self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, scope: str
-    ) -> tuple[array[int], float]:
-        """Pieces, look-ups, encoding and joining of ``text``, all on a worker thread, with the CPU it took there."""
-        started = time.thread_time()
+    ) -> array[int]:
+        """Pieces, look-ups, encoding and joining of ``text``, all on a worker thread."""
         pieces, found, missing = self._look_up(local, text, scope)
-        ids = self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
-        return ids, time.thread_time() - started
+        return self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
 
     @staticmethod
     def _join(
@@ -393,13 +419,6 @@ class PromptTokenizer:
         if encoded:
             self.cache.put_many(encoded)
         return [ids for _, ids in encoded]
-
-    def _encode_pieces_timed(
-        self, local: _LocalModel, keys: list[tuple[str, str]]
-    ) -> tuple[list[array[int]], float]:
-        """:meth:`_encode_pieces` on a worker thread, with the CPU it took there."""
-        started = time.thread_time()
-        return self._encode_pieces(local, keys), time.thread_time() - started
 
     async def _render_request_template(self, local: _LocalModel, planned: ChatRender, scope: str) -> str:
         """The chat's prompt text from the request's own template, in the sandboxed renderer
@@ -547,10 +566,9 @@ def _engine_body(model: str, prompt: CompletionPrompt | ChatPrompt) -> dict[str,
     return body
 
 
-def _approximate(prompt: CompletionPrompt | ChatPrompt) -> tuple[array[int], float]:
+def _approximate(prompt: CompletionPrompt | ChatPrompt) -> array[int]:
     """Pseudo token ids, one per 4 bytes of UTF-8 text (a CRC of those bytes): stable across processes and
     restarts, and prompts sharing a text prefix share an id prefix, so prefix affinity still works roughly."""
-    started = time.thread_time()
     if isinstance(prompt, ChatPrompt):
         text = "".join(f"<|{m['role']}|>\n{plain_text(m.get('content'))}\n" for m in prompt.messages)
         if prompt.add_generation_prompt:
@@ -559,7 +577,6 @@ def _approximate(prompt: CompletionPrompt | ChatPrompt) -> tuple[array[int], flo
         text = prompt.text or ""
     data = memoryview(text.encode("utf-8"))
     step = APPROXIMATE_BYTES_PER_TOKEN
-    ids = array("I", [zlib.crc32(data[i : i + step]) & 0x7FFFFFFF for i in range(0, len(data), step)])
-    return ids, time.thread_time() - started
+    return array("I", [zlib.crc32(data[i : i + step]) & 0x7FFFFFFF for i in range(0, len(data), step)])
 
 
