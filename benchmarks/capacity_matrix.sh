@@ -25,7 +25,8 @@ run() {  # run NAME ARGS...
   echo "$(date -u +%H:%M:%S) start $name"
   "$KVGATE" bench "${COMMON[@]}" "$@" --peer-args "--prometheus-port $PEER_PORT" --out "$OUT/$name" \
     >"$OUT/$name.log" 2>&1
-  echo "$(date -u +%H:%M:%S) done $name rc=$?"
+  local rc=$?  # before the date below: a command substitution resets $?
+  echo "$(date -u +%H:%M:%S) done $name rc=$rc"
 }
 
 calibrate() {  # closed loop (everything at once, 64 in flight, no think time): what the fleet sustains

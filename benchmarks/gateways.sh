@@ -42,7 +42,8 @@ for r in $(seq 1 "$REPEATS"); do
     esac
     echo "$(date -u +%H:%M:%S) start $name (load $(cut -d' ' -f1 /proc/loadavg))"
     "$KVGATE" bench "${LOAD[@]}" "${extra[@]}" --out "$OUT/$name" >"$OUT/$name.log" 2>&1
-    echo "$(date -u +%H:%M:%S) done $name rc=$?"
+    rc=$?  # before the date below: a command substitution resets $?
+    echo "$(date -u +%H:%M:%S) done $name rc=$rc"
   done
 done
 .venv/bin/python benchmarks/gateways_report.py "$OUT" "${MODES[@]}" "${REPORT[@]}"

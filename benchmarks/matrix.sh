@@ -22,7 +22,8 @@ run() {  # run NAME ARGS...: skipped when OUT/NAME already has its results
   [ -f "$OUT/$name/results.json" ] && return 0
   echo "$(date -u +%H:%M:%S) start $name"
   "$KVGATE" bench "${COMMON[@]}" "$@" --out "$OUT/$name" >"$OUT/$name.log" 2>&1
-  echo "$(date -u +%H:%M:%S) done $name rc=$?"
+  local rc=$?  # before the date below: a command substitution resets $?
+  echo "$(date -u +%H:%M:%S) done $name rc=$rc"
 }
 
 # Rates as capacity_matrix.sh calibrated them: documents at the closed-loop throughput (capacity-bound) and at ~30%,
