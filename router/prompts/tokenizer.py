@@ -315,8 +315,7 @@ class PromptTokenizer:
             assert text is not None
             if not whole:
                 return _Prepared(prompt, text=text)
-            pieces, found, missing = self._look_up(local, text, scope)
-            ids = self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
+            ids = self._ids_of_text(local, prompt, text, scope)
             shared = self._shared_tokens(local, prompt, text, ids, scope)
         except PromptError:
             raise
@@ -346,8 +345,7 @@ class PromptTokenizer:
         known = self._shared.get(key)
         if known is not None:
             return min(known, len(ids))
-        pieces, found, missing = self._look_up(local, prefix, scope)
-        own = self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
+        own = self._ids_of_text(local, prompt, prefix, scope)
         shared = common_prefix(own, ids)
         self._shared.put(key, shared)
         return shared
@@ -376,7 +374,7 @@ class PromptTokenizer:
         (``INLINE_PROMPT_CHARS``). Encoding is the only costly step, so a warm prompt never pays the hop. Text
         rendered by a request's template can be long whatever the body: then all of it goes to the worker."""
         if len(text) > INLINE_BODY_BYTES:
-            return await cpu.off_loop(self._pool, self._text_ids_off_loop, local, prompt, text, scope)
+            return await cpu.off_loop(self._pool, self._ids_of_text, local, prompt, text, scope)
         pieces, found, missing = self._look_up(local, text, scope)
         if sum(len(key[1]) for key in missing) <= INLINE_PROMPT_CHARS:
             encoded = self._encode_pieces(local, missing)
@@ -384,10 +382,11 @@ class PromptTokenizer:
             encoded = await cpu.off_loop(self._pool, self._encode_pieces, local, missing)
         return self._join(local, prompt, pieces, found, encoded)
 
-    def _text_ids_off_loop(
+    def _ids_of_text(
         self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, scope: str
     ) -> array[int]:
-        """Pieces, look-ups, encoding and joining of ``text``, all on a worker thread."""
+        """Pieces, look-ups, encoding and joining of ``text`` in one go, with no hop (on a worker thread, or on the
+        loop for text already mostly cached)."""
         pieces, found, missing = self._look_up(local, text, scope)
         return self._join(local, prompt, pieces, found, self._encode_pieces(local, missing))
 
