@@ -78,26 +78,41 @@ def ephemeral_port_floor() -> int:
         return 32768
 
 
+_handed_out: dict[int, None] = {}
+"""The ports :func:`free_port_block` returned most recently in this process, oldest first (at most
+:data:`_HANDED_OUT_KEPT`). A block is free when probed, not reserved: until the server meant for it binds, the next
+call would find it free again, so one bench's sim HTTP and ZMQ blocks (or two routers' ports) could overlap and one
+server fail with "address already in use"."""
+_HANDED_OUT_KEPT = 4096
+
+
 def free_port_block(n: int) -> int:
-    """First port p of a random start such that p..p+n-1 are free on 127.0.0.1.
+    """First port p of a random start such that p..p+n-1 are free on 127.0.0.1 and none was returned before by this
+    process.
 
     Blocks are drawn below the ephemeral range: a port found free there can be taken by any outgoing connection
     (a client, a ZMQ socket) before the server that was meant to listen on it binds."""
     ceiling = max(ephemeral_port_floor(), 10000 + 2 * n + 1000)
     for _ in range(200):
         base = random.randrange(10000, ceiling - n)
+        block = range(base, base + n)
+        if any(p in _handed_out for p in block):
+            continue
         socks: list[socket.socket] = []
         try:
-            for p in range(base, base + n):
+            for p in block:
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", p))
-            return base
         except OSError:
             continue
         finally:
             for s in socks:
                 s.close()
+        _handed_out.update(dict.fromkeys(block))
+        while len(_handed_out) > _HANDED_OUT_KEPT:  # long since bound by their servers, or given up
+            del _handed_out[next(iter(_handed_out))]
+        return base
     raise RuntimeError(f"no block of {n} free ports on 127.0.0.1")
 
 

@@ -4,8 +4,12 @@ from pathlib import Path
 
 import yaml
 
+import pytest
+
+from kvgate.loadgen import bench
 from kvgate.loadgen.bench import (
-    HINTS_TOKEN, add_arguments, attach_predictions, describe_sim_speed, hint_configs, run_settings, run_spec,
+    HINTS_TOKEN, add_arguments, attach_predictions, describe_sim_speed, free_port_block, hint_configs, run_settings,
+    run_spec,
 )
 from kvgate.loadgen.runner import RequestRecord
 from kvgate.loadgen.sim.params import SimParams
@@ -77,3 +81,14 @@ def test_predictions_are_held_to_the_model_clock_of_a_slowed_sim(tmp_path: Path)
     record = RequestRecord(0, "chat", None, 0.0, 0.0, 0, 0)
     attach_predictions([record], [log], time_scale=4.0)
     assert (record.predicted_ttft_ms, record.predicted_queue_ms) == (100.0, 10.0)
+
+
+def test_a_port_block_is_never_handed_out_twice_before_its_server_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two blocks probed free one after the other (a sim's HTTP ports, then its ZMQ ports) must not overlap: neither
+    is bound yet when the second is probed."""
+    monkeypatch.setattr(bench, "_handed_out", {})
+    starts = iter([20_000, 20_003, 20_010, 20_020, 20_030, 20_040])  # the second draw overlaps the first block
+    monkeypatch.setattr(bench.random, "randrange", lambda *_: next(starts))
+    first = free_port_block(4)
+    second = free_port_block(4)
+    assert set(range(first, first + 4)).isdisjoint(range(second, second + 4))
