@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -52,6 +53,9 @@ class FairQueue(Generic[T]):
         self._seq = itertools.count()
         self.waiting = 0
         self.waiting_bytes = 0
+        self._next_deadline = math.inf
+        """No waiter's deadline is earlier (a waiter gone since may have had this one): :meth:`expired` looks at
+        none of them before it."""
 
     def __len__(self) -> int:
         return self.waiting
@@ -68,6 +72,7 @@ class FairQueue(Generic[T]):
         band.live += 1
         self.waiting += 1
         self.waiting_bytes += waiter.size_bytes
+        self._next_deadline = min(self._next_deadline, waiter.deadline)
 
     def peek(self) -> Waiter[T] | None:
         """The next to release, or None."""
@@ -112,8 +117,13 @@ class FairQueue(Generic[T]):
             band.finish.clear()
 
     def expired(self, now: float) -> list[Waiter[T]]:
-        """Waiters whose deadline passed (still queued)."""
-        return [w for band in self._bands.values() for _, _, w in band.heap if not w.gone and w.deadline <= now]
+        """Waiters whose deadline passed (still queued). The release loop asks every few milliseconds: the waiters
+        are looked at only once the earliest deadline has come."""
+        if now < self._next_deadline:
+            return []
+        live = [w for band in self._bands.values() for _, _, w in band.heap if not w.gone]
+        self._next_deadline = min((w.deadline for w in live if w.deadline > now), default=math.inf)
+        return [w for w in live if w.deadline <= now]
 
     def depth(self) -> dict[tuple[int, str | None], int]:
         """Waiting requests by (band, tenant)."""

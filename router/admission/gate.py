@@ -297,10 +297,13 @@ class AdmissionGate:
                     del self._queues[model]
             if not self._queues:
                 break
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), POLL_S)
-            except TimeoutError:
-                pass
+            if not self._wakeup.is_set():
+                # the poll sets the event as a request's end would: no task or exception per wait
+                poll = asyncio.get_running_loop().call_later(POLL_S, self._wakeup.set)
+                try:
+                    await self._wakeup.wait()
+                finally:
+                    poll.cancel()
 
     def _next(self, queue: FairQueue[Request], now: float) -> tuple[Waiter[Request], frozenset[str]] | None:
         """The waiter to release now and the replicas it must leave free, or None: the queue's next when a replica

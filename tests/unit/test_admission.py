@@ -69,6 +69,24 @@ def test_removed_and_expired_waiters_leave_the_counts() -> None:
     assert drain(q) == ["b:10"]
 
 
+def test_waiters_expire_at_their_own_deadlines_whatever_left_before() -> None:
+    q: FairQueue[str] = FairQueue()
+    first, late = waiter("a", 10, deadline=20.0), waiter("c", 10, deadline=40.0)
+    urgent = waiter("b", 10, band=-1, deadline=8.0)
+    for w in (first, urgent, late):
+        q.push(w, 1.0)
+    assert q.expired(7.9) == []
+    assert q.expired(8.0) == [urgent]
+    q.remove(urgent)
+    assert q.expired(19.0) == []
+    q.pop(first)  # released before its deadline: nothing expires at it
+    assert q.expired(25.0) == []
+    q.push(again := waiter("d", 10, deadline=30.0), 1.0)
+    assert q.expired(30.0) == [again]
+    q.remove(again)
+    assert q.expired(39.0) == [] and q.expired(40.0) == [late]
+
+
 def test_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:
     bucket = TokenBucket(rate=10.0, burst_s=2.0)
     bucket.refill(100.0)
