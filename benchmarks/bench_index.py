@@ -2,6 +2,8 @@
 
 - stored blocks decoded + applied per second on one core (vLLM-shaped batches: one BlockStored of 16 blocks per
   frame; and SGLang-shaped: one BlockStored per page);
+- a full cache's churn: events decoded + applied per second when every stored block evicts one (vLLM publishes one
+  BlockRemoved per evicted hash);
 - lookup p50/p99 of a 40,000-token prompt (2,500 blocks of 16) over 16 replicas holding 1,000,000 blocks in total;
 - bytes per (block, replica) holding, measured with tracemalloc (index alone, and with the ingestor's engine-hash map);
 - block_keys time for 40,000 tokens.
@@ -22,7 +24,7 @@ from kvgate.cache_index.index import _SWEEP_AFTER, PrefixIndex
 from kvgate.cache_index.ingest import EventIngestor
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.match import Tier
-from kvgate.loadgen.sim.wire import BlockStored, KVEventBatch
+from kvgate.loadgen.sim.wire import BlockRemoved, BlockStored, KVEventBatch
 
 BS = 16
 REPLICAS = 16
@@ -63,6 +65,41 @@ def bench_ingest(label: str, frames: list[bytes], blocks: int) -> None:
     elapsed = time.process_time() - start
     assert index.stats().entries == blocks, index.stats()
     print(f"ingest {label}: {blocks / elapsed:,.0f} stored blocks/s decoded+applied (one core, {blocks:,} blocks)")
+
+
+def churn_frames(n_frames: int, capacity_blocks: int) -> list[bytes]:
+    """A full cache's steady state, as vLLM publishes it: per frame, one request's BlockStored of 16 new blocks and a
+    BlockRemoved of one hash for each of the 16 oldest blocks it evicted, once ``capacity_blocks`` are held."""
+    rng = random.Random(5)
+    frames = []
+    held: list[int] = []
+    engine_hash = 1
+    for _ in range(n_frames):
+        hashes = list(range(engine_hash, engine_hash + 16))
+        engine_hash += 16
+        tokens = [rng.randrange(32000) for _ in range(16 * BS)]
+        events: list[BlockStored | BlockRemoved] = []
+        while len(held) + len(hashes) > capacity_blocks:
+            events.append(BlockRemoved([held.pop(0)], "GPU"))
+        events.append(BlockStored(hashes, None, tokens, BS, None, "GPU", None))
+        held.extend(hashes)
+        frames.append(msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)))
+    return frames
+
+
+def bench_churn(capacity_blocks: int = 3_000) -> None:
+    frames = churn_frames(20_000, capacity_blocks)
+    index = PrefixIndex(max_entries=10_000_000)
+    ingestor = EventIngestor(index)
+    ingestor.add_replica("r", model="m")
+    start = time.process_time()
+    for seq, payload in enumerate(frames):
+        ingestor.apply("r", seq, payload)
+    elapsed = time.process_time() - start
+    assert index.stats().entries == capacity_blocks, index.stats()
+    events = ingestor.stats.events_applied
+    print(f"ingest churn (a full cache of {capacity_blocks:,} blocks; per frame 16 stored, 16 removed one by one): "
+          f"{events / elapsed:,.0f} events/s, {len(frames) * 32 / elapsed:,.0f} blocks stored or removed/s")
 
 
 def populated_index() -> tuple[PrefixIndex, list[int]]:
@@ -157,6 +194,7 @@ def main() -> None:
     bench_block_keys()
     bench_ingest("vLLM-shaped (16 blocks per BlockStored, 4 per frame)", event_frames(5_000, 16, 4), 5_000 * 64)
     bench_ingest("SGLang-shaped (1 block per BlockStored, 16 per frame)", event_frames(10_000, 1, 16), 10_000 * 16)
+    bench_churn()
     bench_lookup()
     bench_memory()
 

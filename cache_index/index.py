@@ -172,12 +172,13 @@ class PrefixIndex:
         if self._entries > self.max_entries:
             self._evict()
 
-    def remove(self, replica: str, keys: Sequence[int], tier: Tier) -> None:
-        """Forget that ``replica`` holds ``keys`` in ``tier``."""
+    def remove(self, replica: str, keys: Sequence[int], tier: Tier) -> set[int]:
+        """Forget that ``replica`` holds ``keys`` in ``tier``; of ``keys``, those it now holds in no tier."""
         slot = self._slots.get(replica)
         if slot is None:
-            return
-        bit = 1 << (slot * _TIERS + tier)
+            return set(keys)
+        shift = slot * _TIERS
+        bit = 1 << (shift + tier)
         holders = self._holders
         if tier is Tier.GPU:
             lru = self._lru.get(slot)
@@ -185,17 +186,21 @@ class PrefixIndex:
                 for key in keys:
                     lru.pop(key, None)
         removed = 0
+        gone: set[int] = set()
         for key in keys:
-            mask = holders.get(key)
-            if mask is not None and mask & bit:
+            mask = holders.get(key, 0)
+            if mask & bit:
                 removed += 1
                 mask &= ~bit
                 if mask:
                     holders[key] = mask
                 else:
                     del holders[key]
+            if not mask >> shift & _SLOT_BITS:
+                gone.add(key)
         self._entries -= removed
         self._tier_entries[slot][tier] -= removed
+        return gone
 
     def evicted(self, replica: str) -> None:
         """The engine evicted a GPU block (one kvgate may not know): its cache is full for the rest of the

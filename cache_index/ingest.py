@@ -483,11 +483,20 @@ class EventIngestor:
             stats.dropped["unknown_type"] += batch.unknown_events
         stats.unknown_fields += batch.unknown_fields
         applied = 0
-        for event in batch.events:
+        events = batch.events
+        at, end = 0, len(events)
+        while at < end:
+            event = events[at]
+            at += 1
             if type(event) is Stored:
                 applied += self._stored(name, replica, event)
             elif type(event) is Removed:
-                applied += self._removed(name, replica, event)
+                # vLLM publishes one BlockRemoved per evicted block: a run of them (same medium) is applied at once
+                run = [event]
+                while at < end and type(events[at]) is Removed and events[at].medium == event.medium:
+                    run.append(events[at])
+                    at += 1
+                applied += self._removed(name, replica, run)
             elif type(event) is Cleared:
                 self._bump(name, replica, clear_streams=False, wiped=True)
                 applied += 1
@@ -531,24 +540,31 @@ class EventIngestor:
         replica.block_size = block_size
         return 1
 
-    def _removed(self, name: str, replica: _Replica, event: Removed) -> int:
-        tier = tier_of_medium(event.medium)
+    def _removed(self, name: str, replica: _Replica, run: list[Removed]) -> int:
+        """Consecutive ``BlockRemoved`` events of one medium; how many were applied."""
+        tier = tier_of_medium(run[0].medium)
         if tier is None:
-            self.stats.dropped["unknown_medium"] += 1
+            self.stats.dropped["unknown_medium"] += len(run)
             return 0
         engine_keys = replica.engine_keys
-        index = self.index
+        hashes: dict[int, int] = {}
+        """Each removed engine hash kvgate knows, and its key."""
+        for event in run:
+            for engine_hash in event.block_hashes:
+                key = engine_keys.get(engine_hash)
+                if key is None:
+                    self.stats.unknown_removed += 1
+                else:
+                    hashes[engine_hash] = key
         if tier is Tier.GPU:
-            index.evicted(name)
-        for engine_hash in event.block_hashes:
-            key = engine_keys.get(engine_hash)
-            if key is None:
-                self.stats.unknown_removed += 1
-                continue
-            index.remove(name, (key,), tier)
-            if not index.holds(name, key):
-                del engine_keys[engine_hash]
-        return 1
+            self.index.evicted(name)
+        if hashes:
+            gone = self.index.remove(name, list(hashes.values()), tier)
+            if gone:
+                for engine_hash, key in hashes.items():
+                    if key in gone:
+                        del engine_keys[engine_hash]
+        return len(run)
 
     def _namespace(self, replica: _Replica, salt: str | None, lora_name: str | None) -> int:
         ns = replica.namespaces.get((salt, lora_name))

@@ -200,6 +200,26 @@ def test_removal_is_per_tier_and_clears_the_engine_hash_only_when_nothing_is_lef
     assert ingestor.stats.unknown_removed == 1
 
 
+def test_one_frame_applies_its_stores_and_removals_in_order(setup) -> None:
+    """vLLM publishes a BlockRemoved per evicted block, often many in a row: a run is applied at once, and only
+    between the stores around it."""
+    index, ingestor = setup
+    keys = block_keys(namespace_key("m"), TOKENS, BS)
+    ingestor.apply("r", 0, frame(
+        stored([1, 2], None, TOKENS[:8]),
+        BlockRemoved([2], "GPU"), BlockRemoved([1], "GPU"),  # the whole chain evicted...
+        stored([1], None, TOKENS[:4]),  # ...then its head computed again
+        BlockRemoved([77], "GPU"), BlockRemoved([1], "CPU"),  # unknown, and a tier it is not held in
+    ))
+    assert index.lookup(keys, BS) == {"r": PrefixMatch(gpu=4)}
+    assert ingestor.stats.unknown_removed == 1
+    assert ingestor.stats.events_applied == 6
+    ingestor.apply("r", 1, frame(stored([5], 1, TOKENS[4:8]), BlockRemoved([5], "GPU"), BlockRemoved([1], "GPU")))
+    assert index.lookup(keys, BS) == {}
+    ingestor.apply("r", 2, frame(stored([6], 1, TOKENS[4:8])))  # hash 1 left the engine-hash map: an orphan now
+    assert ingestor.stats.dropped["orphan"] == 1
+
+
 def test_all_blocks_cleared_bumps_the_generation(setup) -> None:
     index, ingestor = setup
     ingestor.apply("r", 0, chain())
