@@ -60,8 +60,8 @@ class ModelTokenizer:
 
     def encode_pieces(self, texts: list[str]) -> list[list[int]]:
         """Each text's ids, without special tokens around it, in one call: the pieces of a cold document are
-        encoded in parallel on the tokenizer's own threads. The call releases the GIL (``encode`` does not), so
-        other threads and the event loop keep running."""
+        encoded in parallel on the tokenizer's own threads. ``encode_batch_fast`` releases the GIL (the Hugging Face
+        tokenizer's ``encode`` does not), so other threads and the event loop keep running."""
         return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def render_chat(
