@@ -10,7 +10,9 @@ it is complete. A replica that stopped taking requests since the plan was made i
 Blame rule: a refused connection counts against the replica's breaker at once (nothing the client sent can cause
 it). A timeout, a reset or a 5xx may be the request's own doing (a prompt that crashes or stalls the engine, fields
 it rejects badly), so it counts only once the same request succeeded on another replica; a request that fails
-everywhere, or that another replica refuses with a 4xx, blames nobody. A 429 is backpressure, never a fault.
+everywhere, or that another replica refuses with a 4xx, blames nobody. A 429 is backpressure, never a fault. An
+answer too large to hold (``proxy.max_answer_bytes``) is what the request asked for: it ends the request with a 502,
+retried nowhere, blaming nobody.
 Once a streamed chunk has been sent, a failure ends the stream with an error event instead (the relay's,
 :mod:`kvgate.router.pipeline.relay`): a retry would duplicate text the client already has.
 
@@ -117,9 +119,11 @@ class Attempts:
             except AttemptFailed as failed:
                 replica_fault = failed.cause == "connect"
                 ticket.finish(False if replica_fault else None)
+                self.metrics.upstream_failures.labels(name, failed.cause).inc()
+                if failed.final:
+                    raise
                 if not replica_fault and failed.cause != "status_429":
                     unblamed.append(ticket)
-                self.metrics.upstream_failures.labels(name, failed.cause).inc()
                 last = failed
                 continue
             except BaseException:

@@ -66,6 +66,10 @@ class ProxyConfig(Section):
     """Cap on one retry backoff."""
     pool_size_per_replica: int = Field(256, ge=1)
     """Keep-alive connection pool size per replica."""
+    max_answer_bytes: int = Field(256 * 1024 * 1024, ge=65536)
+    """Largest answer kvgate reads whole from an engine (a non-streamed answer, an error body; streams are relayed
+    as they come). Past it the attempt is abandoned and the client gets a 502: the request asked for that answer, so
+    no other replica is tried and none is blamed."""
 
 
 class ScrapeConfig(Section):

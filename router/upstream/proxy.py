@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvgate.router.core.errors import ApiError
 from kvgate.router.core.trace_context import AttemptTracing
 from kvgate.router.upstream.client import (
-    EngineClient, EngineResponse, UpstreamConnectError, UpstreamError,
+    EngineClient, EngineResponse, UpstreamBodyTooLarge, UpstreamConnectError, UpstreamError,
 )
 from kvgate.router.upstream.config import ProxyConfig
 from kvgate.router.upstream.first_token import read_to_first_output
@@ -33,17 +33,22 @@ class AttemptFailed(Exception):
     """One upstream attempt failed before any byte reached the client; another replica may be tried."""
 
     def __init__(self, cause: str, message: str, status: int | None = None, body: bytes = b"",
-                 headers: Sequence[tuple[str, str]] = ()) -> None:
+                 headers: Sequence[tuple[str, str]] = (), *, final: bool = False) -> None:
         super().__init__(message)
         self.cause = cause
         self.status = status
         self.body = body
         self.headers = dict(headers)
         """The engine's answer's headers, names in lower case."""
+        self.final = final
+        """The request itself made the attempt fail (it asked for an answer too large to hold): every replica would
+        fail it the same way, so none is tried after this one and none is blamed."""
 
     def to_api_error(self) -> ApiError:
         if self.cause == "timeout":
             return ApiError(504, f"upstream replica timed out: {self}", code="upstream_timeout")
+        if self.cause == "answer_too_large":
+            return ApiError(502, f"the replica's answer is too large: {self}", code="upstream_answer_too_large")
         return ApiError(502, f"upstream replica failed: {self}", code="upstream_error")
 
 
@@ -95,7 +100,7 @@ class Proxy:
                                                  connect_timeout_s=cfg.connect_timeout_s,
                                                  timeout_s=first_byte_deadline_s, on_sent=fwd.on_sent)
             if response.status in RETRYABLE_STATUS:
-                body = await response.read()
+                body = await response.read(cfg.max_answer_bytes)
                 raise AttemptFailed(
                     f"status_{response.status}", f"HTTP {response.status}", response.status, body,
                     response.headers,
@@ -109,7 +114,7 @@ class Proxy:
                 response.set_timeout(cfg.total_timeout_s - (at - sent))
                 return response, first, at
             response.set_timeout(cfg.total_timeout_s - (time.monotonic() - sent))
-            body = await response.read()
+            body = await response.read(cfg.max_answer_bytes)
             return response, body, time.monotonic()
         except AttemptFailed:
             if response is not None:
@@ -121,6 +126,8 @@ class Proxy:
             raise AttemptFailed("timeout", f"no first byte within {first_byte_deadline_s:.1f} s") from e
         except UpstreamConnectError as e:
             raise AttemptFailed("connect", str(e)) from e
+        except UpstreamBodyTooLarge as e:  # closed by the read
+            raise AttemptFailed("answer_too_large", str(e), final=True) from e
         except (UpstreamError, OSError) as e:
             if response is not None:
                 response.close()

@@ -173,6 +173,31 @@ async def test_client_errors_are_returned_not_retried(proxy: Proxy, engines) -> 
     assert up.replica == "a" and up.status == 400 and len(d.tickets) == 1
 
 
+async def test_an_answer_too_large_to_hold_fails_the_request_on_no_other_replica(engines) -> None:  # type: ignore[no-untyped-def]
+    async def huge(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * 200_000, content_type="application/json")
+
+    async def huge_error(request: web.Request) -> web.Response:
+        return web.Response(body=b"e" * 200_000, status=503, content_type="application/json")
+
+    config = ProxyConfig(connect_timeout_s=1.0, first_byte_timeout_s=2.0, max_answer_bytes=100_000)
+    client = EngineClient(config.pool_size_per_replica)
+    try:
+        proxy = Proxy(client, config)
+        for handler in (huge, huge_error):
+            d = fleet_on(proxy, {"a": await engines(handler), "b": await engines(ok_json)})
+            with pytest.raises(AttemptFailed) as caught:
+                await d.attempts.forward(forward(["a", "b"]))
+            assert caught.value.cause == "answer_too_large" and caught.value.to_api_error().status == 502
+            # the request asked for it: retried nowhere, and the replica is not blamed
+            assert [(n, t.finished, t.blamed) for n, t in d.tickets] == [("a", [None], False)]
+        # a request within the bound on the same replicas goes through
+        d = fleet_on(proxy, {"b": await engines(ok_json)})
+        assert (await d.attempts.forward(forward(["b"]))).status == 200
+    finally:
+        await client.close()
+
+
 async def test_no_first_byte_in_time_is_a_retryable_timeout(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
     async def slow(request: web.Request) -> web.Response:
         await asyncio.sleep(1.0)  # well past the 0.5 s first-byte timeout
