@@ -55,14 +55,9 @@ class ModelTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a completion prompt, as vLLM encodes it (special tokens in the text are parsed as such)."""
-        ids = self.encode_pieces([text])[0]
+        # encode_batch releases the GIL (encode does not), so other threads and the event loop keep running.
+        ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return self.prefix_ids + ids + self.suffix_ids if add_special_tokens else ids
-
-    def encode_pieces(self, texts: list[str]) -> list[list[int]]:
-        """Each text's ids, without special tokens around it, in one call: the pieces of a cold document are
-        encoded in parallel on the tokenizer's own threads. ``encode_batch_fast`` releases the GIL (the Hugging Face
-        tokenizer's ``encode`` does not), so other threads and the event loop keep running."""
-        return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def render_chat(
         self,

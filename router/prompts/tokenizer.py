@@ -61,11 +61,6 @@ INLINE_PROMPT_CHARS = 4096
 thread-pool hop (queue put, waking a worker, two GIL hand-offs, ``call_soon_threadsafe`` back), which shows up in the
 CPU of short requests. Longer uncached text goes to the pool so a cold document never blocks the loop for long
 (``benchmarks/bench_tokenize.py`` reports the loop's longest stall; docs/benchmarks.md, "Tokenization")."""
-PARALLEL_ENCODE_CHARS = 32768
-"""Uncached text longer than this (a cold document) is encoded on the tokenizer's own threads, its pieces in parallel:
-a 100k-character document's encode takes about half the time on 2 cores for 3% more CPU. Shorter text is encoded
-piece by piece on one thread: the threads' hand-off and spinning would cost more CPU (twice as much for a few short
-pieces) than they save time."""
 INLINE_BODY_BYTES = 32768
 """A body larger than this is parsed, rendered and tokenized on a worker thread, whole. What a request costs the loop
 grows with its body (validating its messages and parts, the chat template, cutting and looking up pieces: up to
@@ -418,17 +413,11 @@ class PromptTokenizer:
         return joined
 
     def _encode_pieces(self, local: _LocalModel, keys: list[tuple[str, str]]) -> list[array[int]]:
-        """Encode pieces the cache lacks and cache them (on the loop or a worker thread); their ids. More than
-        ``PARALLEL_ENCODE_CHARS`` of them (a cold document) are encoded in one parallel call, fewer one by one."""
-        texts = [text for _, text in keys]
-        if sum(map(len, texts)) > PARALLEL_ENCODE_CHARS:
-            pieces_ids = local.tokenizer.encode_pieces(texts)
-        else:
-            pieces_ids = [local.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        encoded = [array("I", ids) for ids in pieces_ids]
+        """Encode pieces the cache lacks and cache them (on the loop or a worker thread); their ids."""
+        encoded = [(key, array("I", local.tokenizer.encode(key[1], add_special_tokens=False))) for key in keys]
         if encoded:
-            self.cache.put_many(list(zip(keys, encoded)))
-        return encoded
+            self.cache.put_many(encoded)
+        return [ids for _, ids in encoded]
 
     async def _render_request_template(self, local: _LocalModel, planned: ChatRender, scope: str) -> str:
         """The chat's prompt text from the request's own template, in the sandboxed renderer

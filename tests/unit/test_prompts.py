@@ -18,7 +18,7 @@ from kvgate.router.core.config import LimitsConfig, ModelConfig
 from kvgate.router.core.errors import ConfigError
 from kvgate.router.prompts.model_tokenizer import ModelTokenizer
 from kvgate.router.prompts.prompt import PromptError
-from kvgate.router.prompts.tokenizer import PARALLEL_ENCODE_CHARS, PromptTokenizer, common_prefix
+from kvgate.router.prompts.tokenizer import PromptTokenizer, common_prefix
 from tests.tokenizing import tokenize_body
 
 MODEL = "kvgate-sim"
@@ -77,15 +77,6 @@ async def test_long_documents_cut_into_chunks_match(prompts: PromptTokenizer, re
         text = document + question
         assert (await tokenize_body(prompts, MODEL, "completions", {"prompt": text})).token_ids.tolist() == reference.encode(text)
     assert len(prompts.cache) - before > 10  # the document was cached as many chunks, shared by the three prompts
-
-
-async def test_a_cold_document_encoded_in_parallel_matches(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
-    rng = random.Random(7)
-    document = "".join(random_text(rng, 30, specials=False) + rng.choice(["word\n", "7\n\n", ". ", "\n"])
-                       for _ in range(3000))
-    assert len(document) > 2 * PARALLEL_ENCODE_CHARS  # many pieces missing at once: one parallel call
-    result = await tokenize_body(prompts, MODEL, "completions", {"prompt": document})
-    assert result.token_ids.tolist() == reference.encode(document)
 
 
 async def test_chats_match_model_tokenizer(prompts: PromptTokenizer, reference: ModelTokenizer) -> None:
