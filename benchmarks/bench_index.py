@@ -55,14 +55,19 @@ def event_frames(n_frames: int, blocks_per_event: int, events_per_frame: int, re
     return frames
 
 
-def bench_ingest(label: str, frames: list[bytes], blocks: int) -> None:
+def ingest_timed(frames: list[bytes]) -> tuple[PrefixIndex, EventIngestor, float]:
+    """``frames`` applied in order as one replica's stream to a fresh index; the CPU seconds that took."""
     index = PrefixIndex(max_entries=10_000_000)
     ingestor = EventIngestor(index)
     ingestor.add_replica("r", model="m")
     start = time.process_time()
     for seq, payload in enumerate(frames):
         ingestor.apply("r", seq, payload)
-    elapsed = time.process_time() - start
+    return index, ingestor, time.process_time() - start
+
+
+def bench_ingest(label: str, frames: list[bytes], blocks: int) -> None:
+    index, _, elapsed = ingest_timed(frames)
     assert index.stats().entries == blocks, index.stats()
     print(f"ingest {label}: {blocks / elapsed:,.0f} stored blocks/s decoded+applied (one core, {blocks:,} blocks)")
 
@@ -89,13 +94,7 @@ def churn_frames(n_frames: int, capacity_blocks: int) -> list[bytes]:
 
 def bench_churn(capacity_blocks: int = 3_000) -> None:
     frames = churn_frames(20_000, capacity_blocks)
-    index = PrefixIndex(max_entries=10_000_000)
-    ingestor = EventIngestor(index)
-    ingestor.add_replica("r", model="m")
-    start = time.process_time()
-    for seq, payload in enumerate(frames):
-        ingestor.apply("r", seq, payload)
-    elapsed = time.process_time() - start
+    index, ingestor, elapsed = ingest_timed(frames)
     assert index.stats().entries == capacity_blocks, index.stats()
     events = ingestor.stats.events_applied
     print(f"ingest churn (a full cache of {capacity_blocks:,} blocks; per frame 16 stored, 16 removed one by one): "
