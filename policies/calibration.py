@@ -180,7 +180,7 @@ def _huber_fit(
     """
     rows = np.column_stack((np.ones(len(ys)), columns))
     slopes = np.array(start, dtype=float)
-    coef = np.concatenate(([np.median(ys - columns @ slopes)], slopes))
+    coef = np.concatenate(([_median(ys - columns @ slopes)], slopes))
     coef, scale = _irls(rows, ys, coef, [j for j in range(2) if free[j]], None)
     if any(free[2:]):
         coef, _ = _irls(rows, ys, coef, [j for j, f in enumerate(free) if f], scale)
@@ -197,7 +197,7 @@ def _irls(
     for _ in range(MAX_ITERATIONS):
         residuals = ys - rows @ coef
         if held_scale is None:
-            scale = 1.4826 * float(np.median(np.abs(residuals - np.median(residuals))))
+            scale = 1.4826 * _median(np.abs(residuals - _median(residuals)))
         else:
             scale = held_scale
         cutoff = HUBER_K * scale if scale > 0 else 1e-9
@@ -207,7 +207,10 @@ def _irls(
         targets = ys - rows[:, held] @ coef[held]
         weighted = x * weights[:, None]
         matrix = weighted.T @ x
-        if not np.isfinite(matrix).all() or np.linalg.cond(matrix) > MAX_CONDITION:
+        if not np.isfinite(matrix).all():
+            break
+        eigenvalues = np.linalg.eigvalsh(matrix)  # ascending: the matrix is symmetric positive semi-definite
+        if eigenvalues[0] <= 0 or eigenvalues[-1] > MAX_CONDITION * eigenvalues[0]:
             break  # singular: the data cannot tell these coefficients apart
         solved = np.linalg.solve(matrix, weighted.T @ targets)
         new = coef.copy()
@@ -217,3 +220,15 @@ def _irls(
         if converged:
             break
     return coef, scale
+
+
+def _median(values: np.ndarray) -> float:
+    """The median of a 1-D array of finite values, as ``np.median`` computes it, by one partial sort: without
+    ``np.median``'s general machinery (axes, NaN checks), which is most of its cost on a window's few hundred values
+    and which the IRLS loop would pay twice an iteration."""
+    n = len(values)
+    half = n // 2
+    if n % 2:
+        return float(np.partition(values, half)[half])
+    ordered = np.partition(values, (half - 1, half))
+    return 0.5 * (float(ordered[half - 1]) + float(ordered[half]))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
-from kvgate.policies.calibration import Calibrator
+from kvgate.policies.calibration import Calibrator, _median
 from kvgate.policies.config import CalibrationConfig, PrefillCost
 
 BASE = PrefillCost(fixed_ms=20, per_token_ms=0.035)
@@ -158,3 +159,22 @@ def test_a_bound_above_the_prediction_is_not_a_sample() -> None:
     assert cal.observe_bound(1000, 0, predicted - 1.0, 50.0)
     assert not cal.observe_bound(1000, 2000, 1.0, 50.0)  # malformed: counted as rejected
     assert cal.state().samples == 1 and cal.state().rejected == 1
+
+
+def test_coefficients_the_data_cannot_tell_apart_keep_a_finite_fit() -> None:
+    """The work ahead always a fixed multiple of the uncached tokens: both spread, so both are free, but the normal
+    equations are singular. The fit stops where its first pass left it instead of solving them."""
+    rng = random.Random(9)
+    cal = Calibrator(CalibrationConfig(), BASE)
+    for _ in range(200):
+        prompt = rng.randint(200, 8000)
+        cal.observe(prompt, 0, TRUE_FIXED + 0.1 * prompt + rng.gauss(0, 3.0), 2.0 * prompt)
+    fitted = cal.current()
+    assert all(math.isfinite(v) for v in (fitted.fixed_ms, fitted.per_token_ms, fitted.queue_scale))
+    assert fitted.queue_scale == BASE.queue_scale
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 511, 512])
+def test_the_windows_median_is_numpys(n: int) -> None:
+    values = np.random.default_rng(n).normal(size=n)
+    assert _median(values) == float(np.median(values))
