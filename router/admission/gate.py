@@ -179,7 +179,7 @@ class AdmissionGate:
             self._let_through(ticket, prompt_tokens)
             return ticket
         if not queue:
-            placed = self._place(tenant, candidates, routing, now)
+            placed, _ = self._placement(tenant, candidates, routing, now)
             if placed is not None:
                 ticket.avoid = placed
                 self._let_through(ticket, prompt_tokens)
@@ -222,16 +222,21 @@ class AdmissionGate:
         if self._queues:
             self._wakeup.set()
 
-    def _place(
+    def _placement(
         self, tenant: str | None, candidates: list[str], routing: ModelRouting, now: float,
-    ) -> frozenset[str] | None:
+    ) -> tuple[frozenset[str] | None, bool]:
         """Whether ``tenant``'s request may start now (None: not yet) and, if so, the replicas it must leave free:
-        the soonest-free ones, as many as the headroom it owes the other tenants."""
+        the soonest-free ones, as many as the headroom it owes the other tenants. Second, whether any candidate could
+        start a request now, for the release loop, which gives headroom left free to another tenant: the
+        candidates' start delays are computed once for both, as the loop does for the head of every queue on every
+        poll while the fleet is saturated."""
         need = self._need(tenant, len(candidates), now)
         if need == 1:
-            return frozenset() if self.saturation.can_start(candidates, routing, self.config) else None
+            can_start = self.saturation.can_start(candidates, routing, self.config)
+            return (frozenset() if can_start else None), can_start
         startable = self.saturation.startable(candidates, routing, self.config)
-        return frozenset(startable[: need - 1]) if len(startable) >= need else None
+        placed = frozenset(startable[: need - 1]) if len(startable) >= need else None
+        return placed, bool(startable)
 
     def _need(self, tenant: str | None, candidates: int, now: float) -> int:
         """How many replicas must be able to start before ``tenant``'s request may take one: 1, plus the
@@ -315,10 +320,10 @@ class AdmissionGate:
         request, config = head.item, self.config
         if not config.enabled:
             return head, frozenset()
-        placed = self._place(head.tenant, request.candidates, request.routing, now)
+        placed, any_can_start = self._placement(head.tenant, request.candidates, request.routing, now)
         if placed is not None:
             return head, placed
-        if not self.saturation.can_start(request.candidates, request.routing, config):
+        if not any_can_start:
             return None
         count = len(request.candidates)
         other = queue.first(head.band, lambda tenant: self._need(tenant, count, now) == 1)

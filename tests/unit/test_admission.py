@@ -303,3 +303,44 @@ async def test_a_tenant_holding_its_share_leaves_the_headroom_to_the_others() ->
     alone = gate(Switch(), headroom=0.25)
     assert alone._need("flood", 4, 0.0) == 1  # no other tenant active: nothing kept
     g.close()
+
+
+class CountingSwitch(Switch):
+    """A :class:`Switch` that notes when each saturation check ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked_at: list[float] = []
+
+    def can_start(self, candidates: list[str], routing: Any, config: AdmissionConfig, need: int = 1) -> bool:
+        self.checked_at.append(asyncio.get_running_loop().time())
+        return super().can_start(candidates, routing, config, need)
+
+    def startable(self, candidates: list[str], routing: Any, config: AdmissionConfig) -> list[str]:
+        self.checked_at.append(asyncio.get_running_loop().time())
+        return super().startable(candidates, routing, config)
+
+
+@pytest.mark.parametrize("owes_headroom", [False, True])
+async def test_while_saturated_each_poll_checks_the_queue_head_once(owes_headroom: bool) -> None:
+    """The release loop polls while requests wait; each poll computes the head's candidates' start delays once
+    (a view and a queue delay per candidate), not once to place it and again to look for headroom another tenant
+    may use; also when the head's tenant holds its share and owes the others headroom."""
+    switch = CountingSwitch()
+    switch.free = 4
+    g = gate(switch, headroom=0.5)
+    held = await admit(g, "t") if owes_headroom else None  # all that is in flight is t's
+    (await admit(g, "u")).release()  # a second active tenant
+    switch.free = 0
+    waiting = asyncio.create_task(admit(g, "t"))
+    await until(lambda: g.waiting == 1)
+    entered = len(switch.checked_at)
+    await until(lambda: len(switch.checked_at) >= entered + 10)
+    polls = switch.checked_at[entered:]
+    gaps = [later - earlier for earlier, later in zip(polls, polls[1:])]
+    assert min(gaps) > 0.001, gaps  # polls are POLL_S apart; two checks in one poll are microseconds apart
+    switch.free = 4
+    g.reconfigure(g.config)  # wakes the loop now
+    (await asyncio.wait_for(waiting, 2.0)).release()
+    if held is not None:
+        held.release()
