@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import functools
 from array import array
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 import msgspec
+import numpy as np
 import xxhash
 
 _NAMESPACE_TAG = "kvgate-namespace-v1"
@@ -76,3 +78,87 @@ def block_keys(
         parent = _xxh3_64(view[i * stride : (i + 1) * stride], seed)
         keys.append(parent)
     return keys
+
+
+def common_prefix(a: array[int], b: array[int]) -> int:
+    """How many leading ids ``a`` and ``b`` (typecode ``"I"``) share: one vectorised comparison over views of their
+    buffers, no copy (slicing two 100k-token arrays to compare them cost more than hashing their blocks)."""
+    assert a.typecode == b.typecode == "I"
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differs = np.frombuffer(a, dtype=np.uint32, count=n) != np.frombuffer(b, dtype=np.uint32, count=n)
+    first = int(differs.argmax())
+    return first if differs[first] else n
+
+
+class RecentBlockKeys:
+    """Recent prompts' block keys, so a prompt that extends one of them (a chat's or an agent's next turn, a document
+    asked about again) hashes only the blocks past what they share.
+
+    Reuse is exact: a block's key depends only on the namespace and the token ids up to the end of its block, so the
+    keys of the full blocks two prompts share are equal, and are taken from the remembered prompt after comparing
+    token ids (in C). A prompt is looked up under its session, when it has one, and under its first block's key; it
+    takes the keys of whichever of the two agrees with it longer. Remembered per namespace (the chain's root), so one
+    tenant's prompts are never compared with another's. Bounded in bytes, least recently used out first.
+    Not thread-safe: the event loop uses it.
+    """
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, int, object], tuple[array[int], tuple[int, ...]]] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        """What the remembered token ids and keys take, about (an entry under two anchors counts twice)."""
+        return self._bytes
+
+    def keys(
+        self, namespace: int, token_ids: Sequence[int], block_size: int, session: str | None = None
+    ) -> list[int]:
+        """:func:`block_keys` of ``token_ids`` under ``namespace``, hashing only the blocks past
+        the longest prefix shared with a remembered prompt; the prompt and its keys are then remembered."""
+        n_blocks = len(token_ids) // block_size if block_size > 0 else 0
+        if n_blocks == 0:
+            return block_keys(namespace, token_ids, block_size)
+        if not (isinstance(token_ids, array) and token_ids.typecode == "I"):
+            token_ids = array("I", token_ids)
+        first = _xxh3_64(token_ids[:block_size].tobytes(), namespace)
+        anchors: list[object] = [first] if session is None else [("session", session), first]
+        reused: tuple[int, ...] = ()
+        for anchor in anchors:
+            entry = self._entries.get((namespace, block_size, anchor))
+            if entry is not None:
+                shared = min(common_prefix(entry[0], token_ids) // block_size, n_blocks, len(entry[1]))
+                if shared > len(reused):
+                    reused = entry[1][:shared]
+        keys = list(reused)
+        if len(keys) < n_blocks:
+            parent = keys[-1] if keys else namespace
+            keys += block_keys(parent, token_ids[len(keys) * block_size :], block_size)
+        remembered = (array("I", token_ids), tuple(keys))
+        for anchor in anchors:
+            self._put((namespace, block_size, anchor), remembered)
+        return keys
+
+    def _put(self, key: tuple[int, int, object], entry: tuple[array[int], tuple[int, ...]]) -> None:
+        entries = self._entries
+        old = entries.pop(key, None)
+        if old is not None:
+            self._bytes -= _entry_bytes(old)
+        size = _entry_bytes(entry)
+        if size > self.max_bytes:
+            return
+        entries[key] = entry
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            self._bytes -= _entry_bytes(entries.popitem(last=False)[1])
+
+
+def _entry_bytes(entry: tuple[array[int], tuple[int, ...]]) -> int:
+    """4 bytes a token id; a key is a tuple slot and a Python int."""
+    return 4 * len(entry[0]) + 40 * len(entry[1])

@@ -3,7 +3,7 @@ prefix index, one view per candidate replica, the policy's decision, and the att
 attempt may go to and each one's first-byte deadline, handed to the proxy as data.
 
 Every cache on this path is kept per namespace (the request's cache salt, which is per tenant): the tokenizer's
-pieces, sessions, warm prompts and the index itself, so no tenant's request is faster, or routed differently,
+pieces, sessions, warm prompts, recent prompts' block keys and the index itself, so no tenant's request is faster, or routed differently,
 because of another tenant's. Per request this is linear in the prompt (keys, lookup) plus linear in the fleet (views,
 decision), never their product.
 """
@@ -15,7 +15,7 @@ import random
 import time
 
 from kvgate.cache_index.index import PrefixIndex
-from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.keys import RecentBlockKeys, namespace_key
 from kvgate.cache_index.match import PrefixMatch, reusable_blocks
 from kvgate.policies.base import Decision, NoHealthyReplica, ReplicaView, RouteRequest
 from kvgate.policies.least_loaded import LeastLoadedPolicy
@@ -45,6 +45,8 @@ class RouteStage:
         self.metrics = metrics
         self.proxy = proxy
         self._least_loaded_policy = LeastLoadedPolicy(rng)
+        self.recent_keys = RecentBlockKeys()
+        """Recent prompts' keys: a chat's next turn hashes only its new blocks."""
 
     def reconfigure(self, proxy: ProxyConfig) -> None:
         self.proxy = proxy
@@ -66,11 +68,13 @@ class RouteStage:
         model_config = self.catalog.config_of(prompt.base_model)
         block_sizes = {name: self.block_sizes.of(name, model_config) for name in names}
         namespace = namespace_key(prompt.base_model, routing.config.weight_version, cache_salt, prompt.lora)
+        session_id, tenant = admission.client.session_id, admission.tenant
         keys_by_block_size: dict[int, list[int]] = {}
         matches: dict[str, PrefixMatch] = {}
         lookup_ms = 0.0
         for block_size in set(block_sizes.values()) if not prompt.partial else ():
-            keys = keys_by_block_size[block_size] = block_keys(namespace, token_ids, block_size)
+            keys = self.recent_keys.keys(namespace, token_ids, block_size, session_id)
+            keys_by_block_size[block_size] = keys
             # The engine always computes the prompt's last token, so a prompt ending on a block boundary reuses
             # one block less than it holds: only the reusable blocks are looked up and credited.
             reusable = keys[: reusable_blocks(len(token_ids), block_size)]
@@ -80,7 +84,6 @@ class RouteStage:
             for name, size in block_sizes.items():  # a replica's match counts only under its own block size
                 if size == block_size and name in found:
                     matches[name] = self.views.surviving_match(name, reusable, found[name], block_size)
-        session_id, tenant = admission.client.session_id, admission.tenant
         last = self.sessions.last_replica(tenant, cache_salt, session_id)
         views = {
             name: self.views.view(name, matches.get(name) or PrefixMatch(), routing, session_match=name == last)

@@ -37,6 +37,7 @@ from typing import Any, Awaitable, Callable, Literal, Sequence, TypeVar
 import jinja2
 import xxhash
 
+from kvgate.cache_index.keys import common_prefix
 from kvgate.router.core.config import LimitsConfig, ModelConfig
 from kvgate.router.core.errors import ConfigError
 from kvgate.router.prompts.chat_template import render_chat
@@ -524,20 +525,6 @@ class SharedPrefixLengths:
             if len(self._lengths) >= self.MAX_ENTRIES:
                 self._lengths.pop(next(iter(self._lengths)))
             self._lengths[key] = tokens
-
-
-def common_prefix(a: array[int], b: array[int]) -> int:
-    """How many leading ids ``a`` and ``b`` share: a binary search over slice comparisons, which run in C."""
-    low, high = 0, min(len(a), len(b))
-    if a[:high] == b[:high]:
-        return high
-    while low < high - 1:  # a[:low] == b[:low], a[:high] != b[:high]
-        mid = (low + high) // 2
-        if a[low:mid] == b[low:mid]:
-            low = mid
-        else:
-            high = mid
-    return low
 
 
 def cache_scope(model: str, namespace: str | None) -> str:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index import keys as keys_module
+from kvgate.cache_index.keys import RecentBlockKeys, block_keys, common_prefix, namespace_key
 
 TOKENS = list(range(100, 164))
 
@@ -59,3 +63,77 @@ def test_namespaces_never_share_keys(other: tuple) -> None:
 def test_block_size_is_validated() -> None:
     with pytest.raises(ValueError):
         block_keys(namespace_key("m"), TOKENS, 0)
+
+
+def test_common_prefix_is_where_two_id_arrays_first_differ() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        a = array("I", (rng.randrange(3) for _ in range(rng.randrange(40))))
+        b = array("I", a[: rng.randrange(len(a) + 1)]) + array("I", (rng.randrange(3) for _ in range(rng.randrange(5))))
+        expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix(a, b) == expected
+
+
+# A prompt grows from one remembered earlier (same session or not), diverges from it at some point, or is new.
+prompt_steps = st.lists(
+    st.tuples(
+        st.integers(0, 1),  # namespace
+        st.sampled_from([None, "s1", "s2"]),  # session
+        st.integers(0, 5),  # which earlier prompt it starts from (past the end: a new one)
+        st.integers(0, 200),  # how many of that prompt's tokens it keeps
+        st.lists(st.integers(0, 3), max_size=120),  # what it adds
+    ),
+    min_size=1, max_size=25,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=prompt_steps, block_size=st.sampled_from([1, 4, 16]), max_bytes=st.sampled_from([200, 2_000, 100_000]))
+def test_recent_block_keys_are_always_the_keys_block_keys_computes(
+    steps: list[tuple[int, str | None, int, int, list[int]]], block_size: int, max_bytes: int,
+) -> None:
+    """Whatever was remembered, evicted or shared across sessions and namespaces, the keys are exactly the chain's."""
+    recent = RecentBlockKeys(max_bytes)
+    namespaces = [namespace_key("m"), namespace_key("m", cache_salt="tenant-b")]
+    prompts: list[array[int]] = []
+    for ns_index, session, base, keep, added in steps:
+        start = prompts[base][:keep] if base < len(prompts) else array("I")
+        tokens = start + array("I", added)
+        prompts.append(tokens)
+        ns = namespaces[ns_index]
+        assert recent.keys(ns, tokens, block_size, session) == block_keys(ns, tokens, block_size)
+        assert recent.bytes <= max_bytes
+
+
+def test_a_prompt_that_extends_a_remembered_one_hashes_only_its_new_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    recent = RecentBlockKeys()
+    ns = namespace_key("m")
+    turn = array("I", range(1000, 1000 + 64 * 16))  # 64 blocks
+    recent.keys(ns, turn, 16, "session")
+    hashed: list[bytes] = []
+    real = keys_module._xxh3_64
+
+    def counted(data: bytes, seed: int = 0) -> int:
+        hashed.append(data)
+        return real(data, seed)
+
+    monkeypatch.setattr(keys_module, "_xxh3_64", counted)
+    next_turn = turn + array("I", range(5, 5 + 40))  # 2 more full blocks and a partial one
+    assert recent.keys(ns, next_turn, 16, "session") == block_keys(ns, next_turn, 16)
+    # the block_keys call above hashed 66 blocks; the cache, its first block (the look-up) and the 2 new ones
+    assert len(hashed) == 3 + 66
+    other_tenant = namespace_key("m", cache_salt="other")
+    hashed.clear()
+    assert recent.keys(other_tenant, next_turn, 16, "session") == block_keys(other_tenant, next_turn, 16)
+    assert len(hashed) == 1 + 66 + 66  # nothing reused across namespaces
+
+
+def test_recent_block_keys_hold_at_most_their_bound() -> None:
+    recent = RecentBlockKeys(max_bytes=500)  # one 64-token prompt of 16-token blocks: 4 * 64 + 40 * 4 bytes
+    ns = namespace_key("m")
+    recent.keys(ns, array("I", range(1000)), 16)  # larger than the bound: not remembered
+    assert len(recent) == 0 and recent.bytes == 0
+    for start in range(0, 640, 64):
+        recent.keys(ns, array("I", range(start, start + 64)), 16)
+        assert recent.bytes <= 500
+    assert len(recent) == 1 and recent.bytes == 416

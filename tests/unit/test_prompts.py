@@ -18,7 +18,7 @@ from kvgate.router.core.config import LimitsConfig, ModelConfig
 from kvgate.router.core.errors import ConfigError
 from kvgate.router.prompts.model_tokenizer import ModelTokenizer
 from kvgate.router.prompts.prompt import PromptError
-from kvgate.router.prompts.tokenizer import PromptTokenizer, common_prefix
+from kvgate.router.prompts.tokenizer import PromptTokenizer
 from tests.tokenizing import tokenize_body
 
 MODEL = "kvgate-sim"
@@ -366,12 +366,3 @@ async def test_a_marked_system_prompt_is_the_shared_prefix_every_session_starts_
     assert system in text and "Fix" not in text
     unmarked = claude_body(system, "Fix the failing test in parser.py", marked=False)
     assert (await prompts.tokenize(MODEL, functools.partial(parse_messages, unmarked))).shared_tokens == 0
-
-
-def test_common_prefix_is_where_two_id_arrays_first_differ() -> None:
-    rng = random.Random(5)
-    for _ in range(200):
-        a = array("I", (rng.randrange(3) for _ in range(rng.randrange(40))))
-        b = array("I", a[: rng.randrange(len(a) + 1)]) + array("I", (rng.randrange(3) for _ in range(rng.randrange(5))))
-        expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert common_prefix(a, b) == expected
