@@ -6,7 +6,11 @@
   BlockRemoved per evicted hash);
 - lookup p50/p99 of a 40,000-token prompt (2,500 blocks of 16) over 16 replicas holding 1,000,000 blocks in total;
 - bytes per (block, replica) holding, measured with tracemalloc (index alone, and with the ingestor's engine-hash map);
-- block_keys time for 40,000 tokens.
+- block_keys time for 40,000 tokens;
+- a prompt's keys through RecentBlockKeys (the route stage's) against block_keys, per prompt size: a prompt that
+  shares all but its last 40 tokens with the previous one (a chat's next turn, a document asked about again), and one
+  that shares nothing (the cost of remembering it),
+  with the reuse floor lowered to 1 block to show where it pays.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ import statistics
 import sys
 import time
 import tracemalloc
+from array import array
 
 import msgspec
 
 from kvgate.cache_index.index import _SWEEP_AFTER, PrefixIndex
 from kvgate.cache_index.ingest import EventIngestor
-from kvgate.cache_index.keys import block_keys, namespace_key
+from kvgate.cache_index.keys import RecentBlockKeys, block_keys, namespace_key
 from kvgate.cache_index.match import Tier
 from kvgate.loadgen.sim.wire import BlockRemoved, BlockStored, KVEventBatch
 
@@ -189,8 +194,35 @@ def bench_block_keys() -> None:
     print(f"block_keys 40,000 tokens: p50 {statistics.median(samples):.3f} ms, min {samples[0]:.3f} ms")
 
 
+def bench_recent_keys() -> None:
+    rng = random.Random(5)
+    ns = namespace_key("m")
+    rounds = 300
+    for blocks in (32, 64, 128, 256, 1024, 4096):
+        base = array("I", [rng.randrange(32000) for _ in range(blocks * BS)])
+        # the same prompt with a new last turn of 40 tokens each time (the overhead benchmark's shape)
+        turns = [base + array("I", [rng.randrange(32000) for _ in range(40)]) for _ in range(rounds + 1)]
+        unique = [array("I", [rng.randrange(32000) for _ in range(blocks * BS)]) for _ in range(rounds)]
+        timed: dict[str, float] = {}
+        for label, prompts in (("extending", turns[1:]), ("unique", unique)):
+            recent = RecentBlockKeys(min_blocks=1)
+            recent.keys(ns, turns[0], BS, "s")
+            start = time.perf_counter()
+            for prompt in prompts:
+                block_keys(ns, prompt, BS)
+            timed[f"{label} block_keys"] = (time.perf_counter() - start) / rounds * 1e6
+            start = time.perf_counter()
+            for prompt in prompts:
+                recent.keys(ns, prompt, BS, "s")
+            timed[f"{label} recent"] = (time.perf_counter() - start) / rounds * 1e6
+        print(f"keys of a {blocks * BS:,}-token prompt (us): a new last turn {timed['extending block_keys']:.1f}"
+              f" hashed whole, {timed['extending recent']:.1f} with RecentBlockKeys; unique "
+              f"{timed['unique block_keys']:.1f} and {timed['unique recent']:.1f}")
+
+
 def main() -> None:
     bench_block_keys()
+    bench_recent_keys()
     bench_ingest("vLLM-shaped (16 blocks per BlockStored, 4 per frame)", event_frames(5_000, 16, 4), 5_000 * 64)
     bench_ingest("SGLang-shaped (1 block per BlockStored, 16 per frame)", event_frames(10_000, 1, 16), 10_000 * 16)
     bench_churn()

@@ -92,20 +92,28 @@ def common_prefix(a: array[int], b: array[int]) -> int:
     return first if differs[first] else n
 
 
+REUSE_MIN_BLOCKS = 128
+"""Prompts of fewer full blocks are hashed whole and not remembered: below this, copying and comparing token ids
+costs about what hashing them does (``benchmarks/bench_index.py``)."""
+
+
 class RecentBlockKeys:
     """Recent prompts' block keys, so a prompt that extends one of them (a chat's or an agent's next turn, a document
     asked about again) hashes only the blocks past what they share.
 
     Reuse is exact: a block's key depends only on the namespace and the token ids up to the end of its block, so the
     keys of the full blocks two prompts share are equal, and are taken from the remembered prompt after comparing
-    token ids (in C). A prompt is looked up under its session, when it has one, and under its first block's key; it
-    takes the keys of whichever of the two agrees with it longer. Remembered per namespace (the chain's root), so one
-    tenant's prompts are never compared with another's. Bounded in bytes, least recently used out first.
-    Not thread-safe: the event loop uses it.
+    token ids (in C). A prompt is looked up under its session, when it has one, then under its first block's key
+    unless its session's last prompt already gave all its keys; it takes the keys of the longer agreement. Remembered
+    per namespace (the chain's root), so one tenant's prompts are never compared with another's. Short prompts (under
+    ``min_blocks`` blocks) are simply hashed. Bounded in bytes, least recently used out first. The token id arrays
+    are kept, not copied (a tokenized prompt's ids are never modified), and the keys are tuples, shared by the cache
+    and its callers. Not thread-safe: the event loop uses it.
     """
 
-    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024, min_blocks: int = REUSE_MIN_BLOCKS) -> None:
         self.max_bytes = max_bytes
+        self.min_blocks = max(1, min_blocks)
         self._entries: OrderedDict[tuple[int, int, object], tuple[array[int], tuple[int, ...]]] = OrderedDict()
         self._bytes = 0
 
@@ -119,28 +127,33 @@ class RecentBlockKeys:
 
     def keys(
         self, namespace: int, token_ids: Sequence[int], block_size: int, session: str | None = None
-    ) -> list[int]:
-        """:func:`block_keys` of ``token_ids`` under ``namespace``, hashing only the blocks past
-        the longest prefix shared with a remembered prompt; the prompt and its keys are then remembered."""
+    ) -> Sequence[int]:
+        """:func:`block_keys` of ``token_ids`` under ``namespace``, hashing only the blocks past the longest prefix
+        shared with a remembered prompt; the prompt and its keys are then remembered."""
         n_blocks = len(token_ids) // block_size if block_size > 0 else 0
-        if n_blocks == 0:
+        if n_blocks < self.min_blocks:
             return block_keys(namespace, token_ids, block_size)
         if not (isinstance(token_ids, array) and token_ids.typecode == "I"):
             token_ids = array("I", token_ids)
         first = _xxh3_64(token_ids[:block_size].tobytes(), namespace)
-        anchors: list[object] = [first] if session is None else [("session", session), first]
+        anchors: tuple[object, ...] = (first,) if session is None else (("session", session), first)
         reused: tuple[int, ...] = ()
         for anchor in anchors:
             entry = self._entries.get((namespace, block_size, anchor))
-            if entry is not None:
-                shared = min(common_prefix(entry[0], token_ids) // block_size, n_blocks, len(entry[1]))
-                if shared > len(reused):
-                    reused = entry[1][:shared]
-        keys = list(reused)
-        if len(keys) < n_blocks:
-            parent = keys[-1] if keys else namespace
-            keys += block_keys(parent, token_ids[len(keys) * block_size :], block_size)
-        remembered = (array("I", token_ids), tuple(keys))
+            if entry is None:
+                continue
+            held = entry[1]
+            shared = min(common_prefix(entry[0], token_ids) // block_size, n_blocks, len(held))
+            if shared > len(reused):
+                reused = held if shared == len(held) else held[:shared]
+            if shared == len(held):
+                break  # it extends that prompt: no other can give more of its keys
+        if len(reused) == n_blocks:
+            keys = reused
+        else:
+            parent = reused[-1] if reused else namespace
+            keys = reused + tuple(block_keys(parent, token_ids[len(reused) * block_size :], block_size))
+        remembered = (token_ids, keys)
         for anchor in anchors:
             self._put((namespace, block_size, anchor), remembered)
         return keys

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Sequence
 
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.keys import RecentBlockKeys, namespace_key
@@ -69,7 +70,7 @@ class RouteStage:
         block_sizes = {name: self.block_sizes.of(name, model_config) for name in names}
         namespace = namespace_key(prompt.base_model, routing.config.weight_version, cache_salt, prompt.lora)
         session_id, tenant = admission.client.session_id, admission.tenant
-        keys_by_block_size: dict[int, list[int]] = {}
+        keys_by_block_size: dict[int, Sequence[int]] = {}
         matches: dict[str, PrefixMatch] = {}
         lookup_ms = 0.0
         for block_size in set(block_sizes.values()) if not prompt.partial else ():

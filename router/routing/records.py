@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvgate.policies.base import Decision, ReplicaView, RouteRequest
@@ -36,7 +37,7 @@ class Routed:
     request: RouteRequest
     decision: Decision
     views: dict[str, ReplicaView]
-    keys_by_block_size: dict[int, list[int]]
+    keys_by_block_size: dict[int, Sequence[int]]
     """The prompt's block keys (every full block) for each block size the candidate replicas use."""
     block_sizes: dict[str, int]
     """Each candidate replica's block size."""
@@ -54,13 +55,13 @@ class Routed:
     prefills: bool = True
     """Whether the engine prefills the prompt (counting its tokens does not): only then are its blocks predicted."""
 
-    def keys_for(self, replica: str) -> list[int]:
+    def keys_for(self, replica: str) -> Sequence[int]:
         """The prompt's block keys as ``replica`` hashes them (its block size)."""
         size = self.block_sizes.get(replica, self.request.block_size)
-        return self.keys_by_block_size.get(size, [])
+        return self.keys_by_block_size.get(size, ())
 
     @property
-    def keys(self) -> list[int]:
+    def keys(self) -> Sequence[int]:
         """The prompt's block keys as the chosen replica hashes them."""
         return self.keys_for(self.decision.replica)
 

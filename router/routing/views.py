@@ -4,6 +4,8 @@ request), and its cache's capacity, holdings and value at the margin."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.match import PrefixMatch
 from kvgate.policies.base import ReplicaView
@@ -28,7 +30,7 @@ class ReplicaViews:
         view.cache_margin = routing.margins.get(name)
         return view
 
-    def surviving_match(self, name: str, keys: list[int], match: PrefixMatch, block_size: int) -> PrefixMatch:
+    def surviving_match(self, name: str, keys: Sequence[int], match: PrefixMatch, block_size: int) -> PrefixMatch:
         """``match`` without the blocks the replica will have evicted before it schedules a request sent now.
 
         vLLM announces an eviction only at the end of the step that made it, so on a full cache the least recently

@@ -93,7 +93,7 @@ def test_recent_block_keys_are_always_the_keys_block_keys_computes(
     steps: list[tuple[int, str | None, int, int, list[int]]], block_size: int, max_bytes: int,
 ) -> None:
     """Whatever was remembered, evicted or shared across sessions and namespaces, the keys are exactly the chain's."""
-    recent = RecentBlockKeys(max_bytes)
+    recent = RecentBlockKeys(max_bytes, min_blocks=1)
     namespaces = [namespace_key("m"), namespace_key("m", cache_salt="tenant-b")]
     prompts: list[array[int]] = []
     for ns_index, session, base, keep, added in steps:
@@ -101,14 +101,16 @@ def test_recent_block_keys_are_always_the_keys_block_keys_computes(
         tokens = start + array("I", added)
         prompts.append(tokens)
         ns = namespaces[ns_index]
-        assert recent.keys(ns, tokens, block_size, session) == block_keys(ns, tokens, block_size)
+        assert list(recent.keys(ns, tokens, block_size, session)) == block_keys(ns, tokens, block_size)
         assert recent.bytes <= max_bytes
 
 
 def test_a_prompt_that_extends_a_remembered_one_hashes_only_its_new_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    recent = RecentBlockKeys()
+    recent = RecentBlockKeys(min_blocks=64)
     ns = namespace_key("m")
     turn = array("I", range(1000, 1000 + 64 * 16))  # 64 blocks
+    recent.keys(ns, turn[: 63 * 16], 16, "session")  # too short to remember
+    assert len(recent) == 0
     recent.keys(ns, turn, 16, "session")
     hashed: list[bytes] = []
     real = keys_module._xxh3_64
@@ -119,17 +121,17 @@ def test_a_prompt_that_extends_a_remembered_one_hashes_only_its_new_blocks(monke
 
     monkeypatch.setattr(keys_module, "_xxh3_64", counted)
     next_turn = turn + array("I", range(5, 5 + 40))  # 2 more full blocks and a partial one
-    assert recent.keys(ns, next_turn, 16, "session") == block_keys(ns, next_turn, 16)
+    assert list(recent.keys(ns, next_turn, 16, "session")) == block_keys(ns, next_turn, 16)
     # the block_keys call above hashed 66 blocks; the cache, its first block (the look-up) and the 2 new ones
     assert len(hashed) == 3 + 66
     other_tenant = namespace_key("m", cache_salt="other")
     hashed.clear()
-    assert recent.keys(other_tenant, next_turn, 16, "session") == block_keys(other_tenant, next_turn, 16)
+    assert list(recent.keys(other_tenant, next_turn, 16, "session")) == block_keys(other_tenant, next_turn, 16)
     assert len(hashed) == 1 + 66 + 66  # nothing reused across namespaces
 
 
 def test_recent_block_keys_hold_at_most_their_bound() -> None:
-    recent = RecentBlockKeys(max_bytes=500)  # one 64-token prompt of 16-token blocks: 4 * 64 + 40 * 4 bytes
+    recent = RecentBlockKeys(max_bytes=500, min_blocks=1)  # one 64-token prompt of 16-token blocks: 4 * 64 + 40 * 4
     ns = namespace_key("m")
     recent.keys(ns, array("I", range(1000)), 16)  # larger than the bound: not remembered
     assert len(recent) == 0 and recent.bytes == 0
