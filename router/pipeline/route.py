@@ -3,9 +3,9 @@ prefix index, one view per candidate replica, the policy's decision, and the att
 attempt may go to and each one's first-byte deadline, handed to the proxy as data.
 
 Every cache on this path is kept per namespace (the request's cache salt, which is per tenant): the tokenizer's
-pieces, sessions, warm prompts, recent prompts' block keys and the index itself, so no tenant's request is faster, or routed differently,
-because of another tenant's. Per request this is linear in the prompt (keys, lookup) plus linear in the fleet (views,
-decision), never their product.
+pieces, sessions, warm prompts, recent prompts' block keys and the index itself, so no tenant's request is faster,
+or routed differently, because of another tenant's. Per request this is linear in the prompt (keys, lookup) plus
+linear in the fleet (views, decision), never their product.
 """
 
 from __future__ import annotations
