@@ -29,6 +29,9 @@ class RouteRequest:
     approximate: bool = False
     """Token ids were estimated (no tokenizer for this model): matches may be wrong, so decisions lean on load."""
     session_id: str | None = None
+    new_session: bool = False
+    """It carries a session id no replica has served yet: it starts a session, whose later turns will follow their
+    cache to the replica chosen now."""
     tenant: str | None = None
     max_tokens: int | None = None
 

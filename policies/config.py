@@ -48,6 +48,11 @@ class CostPolicyConfig(Section):
     token at the margin), added when candidates are compared; 0 ignores cache capacity. What a request stores wherever
     it goes (a cold prompt, a warm holder's uncached suffix) is not priced: the cheapest cache to evict from is the
     fastest-churning, the busiest replica's."""
+    session_turns_ahead: float = Field(4.0, ge=0)
+    """Later turns a new session's placement is priced for: a request that starts a session (an X-Session-ID no
+    replica has served) is charged, on each candidate, what that many of its turns would cost the fleet there
+    (:meth:`kvgate.policies.cost_model.CostModel.session_load_ms`), since its later turns follow their cache to the
+    replica chosen now; 0 prices the first turn alone."""
     decode_stall_weight: float = Field(1.0, ge=0)
     """In a fleet with prefill replicas: weight of the stall a candidate's prefill puts on the sequences decoding on
     its replica (running decodes × prefill ms: with chunked prefill each of them waits for it), added when candidates

@@ -21,8 +21,8 @@ class _Candidate:
     """The replica that serves the request (the transfer's destination for a transfer)."""
     ttft_ms: float
     score_ms: float
-    """What candidates are compared on: ``ttft_ms`` plus ``interference_ms`` and ``eviction_ms`` (weighted), minus
-    the session bonus."""
+    """What candidates are compared on: ``ttft_ms`` plus ``interference_ms`` and ``eviction_ms`` (weighted) and
+    ``session_ms``, minus the session bonus."""
     work_ms: float
     """Prefill the fleet spends on this candidate (uncached tokens; for a transfer, the source's leg)."""
     interference_ms: float
@@ -35,6 +35,8 @@ class _Candidate:
     stall_ms: float = 0.0
     """Delay the candidate's prefill puts on the sequences decoding where it runs (fleets with prefill replicas)."""
     disaggregated: bool = False
+    session_ms: float = 0.0
+    """What a new session's later turns cost the fleet on this replica (:meth:`CostModel.session_load_ms`)."""
 
     def as_dict(self) -> dict[str, object]:
         """One alternative for explain."""
@@ -46,6 +48,7 @@ class _Candidate:
             "interference_ms": self.interference_ms,
             "decode_stall_ms": self.stall_ms,
             "eviction_ms": self.eviction_ms,
+            "session_load_ms": self.session_ms,
             "score_ms": self.score_ms,
         }
         if self.transfer is not None:
@@ -71,6 +74,11 @@ class CostPolicy:
     requests — a drained replica's long prefix is pulled instead of recomputed — and loses to recompute for short
     prefixes, where link setup dominates.
 
+    A request that starts a session (``RouteRequest.new_session``) also pays, on each candidate, what its later turns
+    will cost the fleet there (``session_turns_ahead`` turns, :meth:`CostModel.session_load_ms`): they follow their
+    cache to the replica chosen now, so a first turn that is a little cheaper where a shared system prompt is warm
+    is not worth a session's worth of turns queued on the busiest replicas while others stand idle.
+
     Near-ties — candidates within ``max(tie_margin × best, tie_margin_ms)`` of the best — go to the one that spends
     the least prefill (most of the prompt cached), then the least-loaded one, a plain route before a transfer, then
     at random. Least work first: when waiting on a holder costs the request about what recomputing elsewhere would,
@@ -80,7 +88,8 @@ class CostPolicy:
 
     Reasons: ``transfer``; ``warm`` (the chosen replica holds part of the prompt); ``idle-recompute`` (another
     replica holds more of it, but waiting there costs more than recomputing here); ``cold`` (no routable replica
-    holds any of it); ``session`` (the session bonus alone made the choice).
+    holds any of it); ``session`` (the session bonus alone made the choice); ``new-session`` (pricing a new session's
+    later turns alone made the choice).
 
     In a fleet with ``prefill``-role replicas (docs/disaggregation.md), each local candidate also pays the stall its
     prefill puts on the sequences decoding there (``decode_stall_weight`` × :meth:`CostModel.decode_stall_ms`), and
@@ -95,6 +104,7 @@ class CostPolicy:
         tie_margin_ms: 5 — absolute near-tie margin, so millisecond differences do not split hairs.
         session_bonus_ms: 10 — credited to the replica that last served the request's session: a soft hint that
             only decides between near-equal candidates, never a pin.
+        session_turns_ahead: 4 — later turns a new session's placement is priced for; 0 prices its first turn alone.
         approximate_match_weight: 0.5 — matches from approximate token ids are credited at this fraction, and
             approximate requests are never transferred (the prefix they would move may not be theirs).
         interference_weight: 1 — weight of the delay a candidate's prefill imposes on its replica's other arrivals.
@@ -139,9 +149,12 @@ class CostPolicy:
             source = self._transfer_source(replicas, queues)
         if source is not None:
             candidates += self._transfer_candidates(request, source, views, estimates, queues, rates, least_new)
+        placement = self._session_placement(request, views, estimates)
+        self._price_placement(candidates, placement)
         alternatives = candidates
         if split:
             disaggregated = self._disaggregated_candidates(request, replicas, views, queues, rates, least_new)
+            self._price_placement(disaggregated, placement)
             alternatives = candidates + disaggregated
             candidates = self._by_mode(candidates, disaggregated, estimates)
 
@@ -159,7 +172,7 @@ class CostPolicy:
         details: dict[str, object] = {}
         if explain:
             details = self._details(
-                request, replicas, views, estimates, candidates, chosen, source, queues, rates, least_new
+                request, replicas, views, estimates, candidates, chosen, source, queues, rates, least_new, placement
             )
             if split:
                 details["disaggregation"] = self._split_details(replicas, alternatives, queues)
@@ -193,6 +206,27 @@ class CostPolicy:
             view, ttft_ms, score, work_ms, interference_ms, eviction, replica_load(view), transfer, stall_ms,
             disaggregated,
         )
+
+    def _session_placement(
+        self, request: RouteRequest, views: list[ReplicaView], estimates: dict[str, Estimate]
+    ) -> dict[str, float]:
+        """For a request that starts a session, per replica: what its later turns cost the fleet there. A later
+        turn's prefill is taken to be this one's own part, the tokens beyond the longest prefix any replica holds
+        (the shared part a later turn finds cached wherever the session goes); the load is the replica's own
+        arrival rate, not the expected one: the session's turns are the arrivals a copy would bring."""
+        turns = self.config.session_turns_ahead
+        if not request.new_session or not turns:
+            return {}
+        shared = max(e.cached_tokens for e in estimates.values())
+        turn_ms = self.cost_model.prefill_ms(request.prompt_tokens - shared, context=shared)
+        return {v.name: self.cost_model.session_load_ms(v.arrival_rate_per_s, turn_ms, turns) for v in views}
+
+    @staticmethod
+    def _price_placement(candidates: list[_Candidate], placement: dict[str, float]) -> None:
+        if placement:
+            for c in candidates:
+                c.session_ms = placement.get(c.view.name, 0.0)
+                c.score_ms += c.session_ms
 
     def _stall(self, view: ReplicaView, work_ms: float) -> float:
         return self.cost_model.decode_stall_ms(view, work_ms) if self.config.decode_stall_weight else 0.0
@@ -312,6 +346,10 @@ class CostPolicy:
             return "transfer"
         if split:
             return "local"
+        if any(c.session_ms for c in candidates):
+            unplaced = [c.score_ms - c.session_ms for c in candidates if c is not chosen]
+            if unplaced and chosen.score_ms - chosen.session_ms > min(unplaced) + margin:
+                return "new-session"  # pricing the session's later turns alone made the choice
         if chosen.view.last_session_match:
             unhinted = chosen.score_ms + self.config.session_bonus_ms
             others = [c.score_ms for c in candidates if c is not chosen]
@@ -344,6 +382,7 @@ class CostPolicy:
         queues: dict[str, float],
         rates: dict[str, float],
         least_new: int,
+        placement: dict[str, float],
     ) -> dict[str, object]:
         """Per-replica rows for the routing candidates, plus the transfer source's when it is not one of them
         (draining: its queue and cache are what the transfers were priced from) and the prefill replicas'."""
@@ -359,6 +398,8 @@ class CostPolicy:
                 replicas[other.name] = replica_numbers(
                     other, estimate, other.arrival_rate_per_s, self.cost_model, least_new
                 )
+        for name, session_ms in placement.items():
+            replicas[name]["session_load_ms"] = session_ms
         details: dict[str, object] = {"replicas": replicas}
         transfers = [c.transfer.as_dict() for c in candidates if c.transfer is not None and not c.disaggregated]
         if transfers:

@@ -248,6 +248,26 @@ class CostModel:
         """
         return self.prefill.queue_scale * arrival_rate_per_s * work_ms * work_ms / 2000.0
 
+    def session_load_ms(self, arrival_rate_per_s: float, turn_ms: float, turns: float) -> float:
+        """What ``turns`` later turns of a session, ``turn_ms`` of prefill each, cost the fleet on a replica taking
+        ``arrival_rate_per_s`` other requests: a new session's placement is a commitment, its later turns follow
+        their cache to the replica it starts on.
+
+        Each turn adds to the replica's arrival stream, so it is priced at the marginal waiting cost of an M/G/1
+        queue, the derivative of the total waiting time ``λ·W`` with respect to λ: ``W·(2 − ρ)/(1 − ρ)``, where
+        ``W = queue_scale · λ·w²/(2(1 − ρ))`` is the wait one turn finds there and ``ρ = λ·w`` the replica's busy
+        fraction (both taking the session's own turn ``w`` as the typical request). The turn's own wait and the wait
+        it adds to everyone else's; at ``ρ`` near 1 both grow without bound, so ``ρ`` is capped at 0.95. An idle
+        replica (λ = 0) costs nothing: the fleet's mean TTFT is lowest when sessions spread in proportion to spare
+        capacity, which pricing each new session at its marginal cost does (the system optimum of a static
+        assignment of streams to queues).
+        """
+        if turns <= 0 or arrival_rate_per_s <= 0:
+            return 0.0
+        rho = min(arrival_rate_per_s * turn_ms / 1000.0, 0.95)
+        wait_ms = self.interference_ms(arrival_rate_per_s, turn_ms) / (1.0 - rho)
+        return turns * wait_ms * (2.0 - rho) / (1.0 - rho)
+
     def estimate(
         self,
         request: RouteRequest,

@@ -115,6 +115,7 @@ def explain_body(routed: Routed, policy: str, generation_of: Callable[[str], int
     return {
         "prompt_tokens": request.prompt_tokens,
         "approximate": request.approximate,
+        "new_session": request.new_session,
         "tokenizer": routed.tokenized.source,
         "block_size": request.block_size,
         "blocks": len(routed.keys),

@@ -97,6 +97,7 @@ class RouteStage:
             block_size=block_sizes[names[0]],
             approximate=tokenized.approximate,
             session_id=session_id,
+            new_session=bool(session_id) and last is None,
             tenant=tenant,
             max_tokens=prompt.max_tokens,
         )

@@ -207,6 +207,24 @@ def test_repeated_prompt_is_routed_warm_and_explained(client: openai.OpenAI, gw:
     assert again.headers["x-kvgate-decision"] == "warm"
 
 
+def test_a_session_is_new_until_a_replica_has_served_it(client: openai.OpenAI, gw: Gateway) -> None:
+    """The first request of an X-Session-ID is priced for the session's later turns on each replica (explain's
+    ``session_load_ms``); once a replica has served it, the session is placed and its requests are priced alone."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a new session " * 30}]}
+
+    def explain() -> dict:
+        return httpx.post(gw.url + "/kvgate/v1/explain", json=body, headers={"X-Session-ID": "placed-once"},
+                          timeout=5).json()
+
+    first = explain()
+    assert first["new_session"] is True
+    assert all(row["session_load_ms"] >= 0 for row in first["replicas"])
+    client.chat.completions.create(**body, max_tokens=1, extra_headers={"X-Session-ID": "placed-once"})
+    again = explain()
+    assert again["new_session"] is False
+    assert all("session_load_ms" not in row for row in again["replicas"])
+
+
 @pytest.mark.parametrize(
     ("content", "status", "param"),
     [

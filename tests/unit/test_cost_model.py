@@ -200,3 +200,20 @@ def test_interference_is_a_queue_delay_scaled_as_the_queue_term_is(queue_scale: 
     busy = view(in_flight_prefilling=1, in_flight_prefill_tokens=4000)
     assert m.queue_delay_ms(busy) == pytest.approx(queue_scale * m.work_ahead_ms(busy))
     assert m.interference_ms(2.5, 160.0) == pytest.approx(queue_scale * 2.5 * 160.0**2 / 2000)
+
+
+def test_a_sessions_later_turns_cost_the_marginal_wait_of_an_mg1_queue() -> None:
+    """Each later turn is priced at d(λ·W)/dλ = W·(2 − ρ)/(1 − ρ): the wait it finds plus the wait it adds. Nothing on
+    an idle replica, or when no turn is ahead; finite however busy the replica (ρ is capped)."""
+    m = model()
+    rate, turn = 3.0, 90.0
+    rho = rate * turn / 1000
+    wait = rate * turn**2 / 2000 / (1 - rho)
+    assert m.session_load_ms(rate, turn, 4) == pytest.approx(4 * wait * (2 - rho) / (1 - rho))
+    assert m.session_load_ms(0.0, turn, 4) == 0.0
+    assert m.session_load_ms(rate, turn, 0) == 0.0
+    loads = [m.session_load_ms(r, turn, 4) for r in (0.5, 1.0, 2.0, 4.0, 8.0)]
+    assert loads == sorted(loads) and len(set(loads)) == len(loads)
+    assert m.session_load_ms(1000.0, turn, 4) < float("inf")
+    batched = model(PrefillCost(queue_scale=0.5))
+    assert batched.session_load_ms(rate, turn, 4) == pytest.approx(0.5 * m.session_load_ms(rate, turn, 4))

@@ -124,6 +124,31 @@ def test_session_reason_only_when_the_bonus_made_the_choice() -> None:
     assert (p.decide(request(4000), fleet).replica, p.decide(request(4000), fleet).reason) == ("hinted", "cold")
 
 
+def test_a_new_session_is_priced_for_its_later_turns_where_it_starts() -> None:
+    # A 4,000-token first turn whose 2,000-token system prompt "warm" holds; "warm" takes 3 requests/s, "idle" none.
+    # The first turn alone: warm 90 ms (+12 ms it holds up warm's arrivals) against idle 160 ms (+19 ms): warm.
+    # But the session's later turns follow it: 4 turns of ~90 ms each on a replica 27% busy cost the fleet ~158 ms
+    # there (CostModel.session_load_ms), nothing on the idle replica. A session starting now goes to "idle".
+    fleet = [view("warm", gpu=2000, arrival_rate_per_s=3.0), view("idle")]
+    p = policy(EXACT)
+    assert (p.decide(request(4000, session_id="s"), fleet).replica) == "warm"  # a session already placed
+    decision = p.decide(request(4000, session_id="s", new_session=True), fleet, explain=True)
+    assert (decision.replica, decision.reason) == ("idle", "new-session")
+    rows = decision.details["replicas"]
+    assert rows["idle"]["session_load_ms"] == 0.0
+    assert rows["warm"]["session_load_ms"] == pytest.approx(model().session_load_ms(3.0, 90.0, 4))
+    first_turn_alone = policy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0, session_turns_ahead=0))
+    assert first_turn_alone.decide(request(4000, session_id="s", new_session=True), fleet).replica == "warm"
+
+
+def test_a_new_session_goes_warm_when_every_replica_is_as_busy() -> None:
+    # Equal load everywhere: the later turns cost the same wherever the session starts, so the warm system prompt
+    # decides, and the reason is the cache, not the placement.
+    fleet = [view("warm", gpu=2000, arrival_rate_per_s=3.0), view("cold", arrival_rate_per_s=3.0)]
+    decision = policy(EXACT).decide(request(4000, session_id="s", new_session=True), fleet)
+    assert (decision.replica, decision.reason) == ("warm", "warm")
+
+
 def test_short_prefix_goes_warm_only_while_queue_is_tiny() -> None:
     # 500 cached tokens save 17.5 ms: one queued request (20 ms fixed) already costs more.
     p = policy(EXACT)
