@@ -32,6 +32,9 @@ class RouteRequest:
     new_session: bool = False
     """It carries a session id no replica has served yet: it starts a session, whose later turns will follow their
     cache to the replica chosen now."""
+    session_return_share: float = 1.0
+    """For a new session: the share of its tenant's recent sessions that came back after their first request (a
+    client that sends a fresh session id with every request has no later turns to price)."""
     tenant: str | None = None
     max_tokens: int | None = None
 

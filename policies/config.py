@@ -52,7 +52,8 @@ class CostPolicyConfig(Section):
     """Later turns a new session's placement is priced for: a request that starts a session (an X-Session-ID no
     replica has served) is charged, on each candidate, what that many of its turns would cost the fleet there
     (:meth:`kvgate.policies.cost_model.CostModel.session_load_ms`), since its later turns follow their cache to the
-    replica chosen now; 0 prices the first turn alone."""
+    replica chosen now; 0 prices the first turn alone. Scaled by the share of the tenant's recent sessions that came
+    back after their first request, so ids that never return (a fresh one per request) price nothing."""
     decode_stall_weight: float = Field(1.0, ge=0)
     """In a fleet with prefill replicas: weight of the stall a candidate's prefill puts on the sequences decoding on
     its replica (running decodes × prefill ms: with chunked prefill each of them waits for it), added when candidates

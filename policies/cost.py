@@ -213,8 +213,9 @@ class CostPolicy:
         """For a request that starts a session, per replica: what its later turns cost the fleet there. A later
         turn's prefill is taken to be this one's own part, the tokens beyond the longest prefix any replica holds
         (the shared part a later turn finds cached wherever the session goes); the load is the replica's own
-        arrival rate, not the expected one: the session's turns are the arrivals a copy would bring."""
-        turns = self.config.session_turns_ahead
+        arrival rate, not the expected one: the session's turns are the arrivals a copy would bring. The turns are
+        ``session_turns_ahead`` times the share of the tenant's sessions that come back at all."""
+        turns = self.config.session_turns_ahead * request.session_return_share
         if not request.new_session or not turns:
             return {}
         shared = max(e.cached_tokens for e in estimates.values())

@@ -86,6 +86,7 @@ class RouteStage:
                 if size == block_size and name in found:
                     matches[name] = self.views.surviving_match(name, reusable, found[name], block_size)
         last = self.sessions.last_replica(tenant, cache_salt, session_id)
+        new_session = bool(session_id) and last is None
         views = {
             name: self.views.view(name, matches.get(name) or PrefixMatch(), routing, session_match=name == last)
             for name in names
@@ -97,7 +98,8 @@ class RouteStage:
             block_size=block_sizes[names[0]],
             approximate=tokenized.approximate,
             session_id=session_id,
-            new_session=bool(session_id) and last is None,
+            new_session=new_session,
+            session_return_share=self.sessions.return_share(tenant) if new_session else 1.0,
             tenant=tenant,
             max_tokens=prompt.max_tokens,
         )

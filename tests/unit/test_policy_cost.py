@@ -139,6 +139,11 @@ def test_a_new_session_is_priced_for_its_later_turns_where_it_starts() -> None:
     assert rows["warm"]["session_load_ms"] == pytest.approx(model().session_load_ms(3.0, 90.0, 4))
     first_turn_alone = policy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0, session_turns_ahead=0))
     assert first_turn_alone.decide(request(4000, session_id="s", new_session=True), fleet).replica == "warm"
+    # A tenant whose session ids never come back (a fresh one per request) has no later turns to price.
+    never_back = request(4000, session_id="s", new_session=True, session_return_share=0.0)
+    assert p.decide(never_back, fleet).replica == "warm"
+    half = p.decide(request(4000, session_id="s", new_session=True, session_return_share=0.5), fleet, explain=True)
+    assert half.details["replicas"]["warm"]["session_load_ms"] == pytest.approx(model().session_load_ms(3.0, 90.0, 2))
 
 
 def test_a_new_session_goes_warm_when_every_replica_is_as_busy() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvgate.router.routing.sessions import SessionMemory
+import pytest
+
+from kvgate.router.routing.sessions import MIN_STARTS, SessionMemory
 
 
 def test_a_session_is_remembered_per_cache_salt() -> None:
@@ -30,3 +32,44 @@ def test_one_tenants_fresh_sessions_evict_only_its_own() -> None:
         memory.remember("bob", "salt-b", f"flood-{i}", "r1")
     assert memory.last_replica("alice", "salt-a", "kept") == "r0"
     assert len(memory) == 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_sessions_are_assumed_to_come_back_until_enough_have_started() -> None:
+    clock = Clock()
+    memory = SessionMemory(capacity_per_tenant=1000, clock=clock)
+    for i in range(MIN_STARTS - 1):
+        memory.remember("once", None, f"s{i}", "r0")
+        clock.now += 1.0
+    assert memory.return_share("once") == 1.0
+    assert memory.return_share("unknown") == 1.0
+
+
+def test_a_client_that_never_reuses_its_session_ids_reads_zero() -> None:
+    clock = Clock()
+    memory = SessionMemory(capacity_per_tenant=1000, clock=clock)
+    for i in range(4 * MIN_STARTS):
+        memory.remember("fresh-ids", None, f"s{i}", "r0")
+        clock.now += 0.5
+    assert memory.return_share("fresh-ids") == 0.0
+
+
+def test_the_return_share_is_returns_per_start_at_most_one_and_per_tenant() -> None:
+    clock = Clock()
+    memory = SessionMemory(capacity_per_tenant=1000, clock=clock)
+    for i in range(4 * MIN_STARTS):
+        memory.remember("halves", None, f"s{i}", "r0")
+        if i % 2:
+            memory.remember("halves", None, f"s{i}", "r0")  # every other session comes back once
+        for turn in range(5):
+            memory.remember("chatty", None, f"c{i}", "r1")
+        clock.now += 0.5
+    assert memory.return_share("halves") == pytest.approx(0.5, abs=0.05)
+    assert memory.return_share("chatty") == 1.0
