@@ -25,6 +25,16 @@ POLL_S = 0.02
 T = TypeVar("T")
 
 
+class ManualClock:
+    """A clock a test moves by hand (``clock.now += 1.0``), for code that takes ``clock: Callable[[], float]``."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_until(
     probe: Callable[[], T], what: str = "the condition", timeout: float = 15.0, interval: float = POLL_S
 ) -> T:

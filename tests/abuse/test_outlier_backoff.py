@@ -4,18 +4,11 @@ from __future__ import annotations
 
 from kvgate.router.upstream.breaker import CircuitBreaker
 from kvgate.router.upstream.config import BreakerConfig
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import ManualClock
 
 
 def test_each_ejection_without_recovery_lasts_twice_as_long_up_to_the_cap() -> None:
-    clock = Clock()
+    clock = ManualClock()
     breaker = CircuitBreaker(BreakerConfig(failures_to_open=2, open_s=1.0, max_open_s=5.0), clock)
     breaker.record_failure()
     breaker.record_failure()
@@ -32,7 +25,7 @@ def test_each_ejection_without_recovery_lasts_twice_as_long_up_to_the_cap() -> N
 
 
 def test_a_recovery_that_lasts_resets_the_back_off() -> None:
-    clock = Clock()
+    clock = ManualClock()
     breaker = CircuitBreaker(BreakerConfig(failures_to_open=1, open_s=1.0, max_open_s=5.0), clock)
     breaker.record_failure()
     clock.now = 1.0

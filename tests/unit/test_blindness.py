@@ -16,6 +16,7 @@ from kvgate.router.settings.schema import parse_config
 from kvgate.router.upstream.scrape import ScrapedLoad
 from kvgate.router.upstream.client import EngineClient
 from tests.fleets import fleet_of
+from tests.support import ManualClock
 
 
 def seen(share: float, engine: float = 10.0) -> Observation:
@@ -81,14 +82,6 @@ def test_no_evidence_while_blind_clears_it_in_time() -> None:
     assert not b.blind
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 CONFIG = """
 replicas:
   - {name: r0, url: "http://127.0.0.1:1"}
@@ -105,7 +98,7 @@ async def run_fleet(
     send the rest), which peers report when ``peers_report``. The engine's counter counts a request before the
     gateway reads its end (a scrape later). Returns when the signal rose (seconds after the first request, None if
     never) and the largest unseen rate on a replica at the end."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     async with EngineClient(8) as session:
         fleet = fleet_of(parse_config(CONFIG), session, clock)
         if peers_report:
@@ -169,7 +162,7 @@ async def test_requests_in_flight_are_not_unseen() -> None:
 async def test_a_quiet_fleet_decides_nothing() -> None:
     """Below the evidence floors the share is not judged: one request every 2 s here and two gateways' worth of
     unseen finishes elsewhere stay unjudged."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     async with EngineClient(8) as session:
         fleet = fleet_of(parse_config(CONFIG), session, clock)
         finished = 0

@@ -5,18 +5,11 @@ from __future__ import annotations
 
 from kvgate.router.upstream.breaker import CircuitBreaker
 from kvgate.router.upstream.config import BreakerConfig
+from tests.support import ManualClock
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(failures: int = 3, open_s: float = 10.0) -> tuple[CircuitBreaker, FakeClock]:
-    clock = FakeClock()
+def make(failures: int = 3, open_s: float = 10.0) -> tuple[CircuitBreaker, ManualClock]:
+    clock = ManualClock(50.0)
     return CircuitBreaker(BreakerConfig(failures_to_open=failures, open_s=open_s), clock), clock
 
 
@@ -86,7 +79,7 @@ def test_thresholds_follow_a_reloaded_config() -> None:
 
 
 def test_one_callers_failures_do_not_open_a_circuit_others_use() -> None:
-    clock = FakeClock()
+    clock = ManualClock(50.0)
     b = CircuitBreaker(BreakerConfig(failures_to_open=3, min_callers_to_open=2), clock)
     for caller in ("alice", "bob"):
         b.on_dispatch(caller)
@@ -98,7 +91,7 @@ def test_one_callers_failures_do_not_open_a_circuit_others_use() -> None:
 
 
 def test_a_replica_only_one_caller_uses_opens_on_that_callers_failures() -> None:
-    clock = FakeClock()
+    clock = ManualClock(50.0)
     b = CircuitBreaker(BreakerConfig(failures_to_open=3, min_callers_to_open=2), clock)
     b.on_dispatch("alice")
     clock.now += 1
@@ -108,7 +101,7 @@ def test_a_replica_only_one_caller_uses_opens_on_that_callers_failures() -> None
 
 
 def test_a_caller_seen_long_ago_is_no_longer_one_of_the_recent_callers() -> None:
-    clock = FakeClock()
+    clock = ManualClock(50.0)
     b = CircuitBreaker(BreakerConfig(failures_to_open=2, min_callers_to_open=2), clock)
     b.on_dispatch("alice")
     clock.now += 3600
@@ -120,7 +113,7 @@ def test_a_caller_seen_long_ago_is_no_longer_one_of_the_recent_callers() -> None
 
 def test_the_fleet_may_refuse_an_opening() -> None:
     allowed = [False]
-    b = CircuitBreaker(BreakerConfig(failures_to_open=2), FakeClock(), may_open=lambda: allowed[0])
+    b = CircuitBreaker(BreakerConfig(failures_to_open=2), ManualClock(50.0), may_open=lambda: allowed[0])
     for _ in range(5):
         b.record_failure()
     assert b.state == "closed"

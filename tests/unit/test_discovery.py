@@ -18,14 +18,7 @@ from kvgate.router.settings.schema import KvgateConfig, parse_config
 from kvgate.router.upstream.client import EngineClient
 from tests.fleets import fleet_of
 from tests.kube_api import POD, make_pod, set_ready
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import ManualClock
 
 
 def target(name: str, port: int = 9000, ready: bool = True, instance: str = "") -> Target:
@@ -52,7 +45,7 @@ async def test_discovered_replicas_join_and_readiness_drains_and_undrains(fleet:
 
 
 async def test_a_replica_that_left_is_drained_then_removed_when_its_requests_are_done(fleet: Fleet) -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     sync = FleetSync(fleet, drain_timeout_s=30, clock=clock)
     await sync.apply({"a": target("a"), "b": target("b", 9001)})
     ticket = fleet.dispatch("a", 100)
@@ -65,7 +58,7 @@ async def test_a_replica_that_left_is_drained_then_removed_when_its_requests_are
 
 
 async def test_a_drain_that_takes_too_long_ends_in_removal(fleet: Fleet) -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     sync = FleetSync(fleet, drain_timeout_s=30, clock=clock)
     await sync.apply({"a": target("a")})
     fleet.dispatch("a", 100)

@@ -20,7 +20,7 @@ from kvgate.router.upstream.health import HealthState
 from kvgate.router.upstream.scrape import ScrapedLoad
 from kvgate.router.upstream.client import EngineClient
 from tests.fleets import fleet_of, reconfigure
-from tests.support import wait_until_async
+from tests.support import ManualClock, wait_until_async
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -33,14 +33,6 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 """
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass
@@ -126,7 +118,7 @@ async def test_an_unblamed_failure_counts_once_blamed(session: EngineClient) -> 
 
 
 async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter(session: EngineClient) -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     fleet = fleet_of(config("a"), session, clock=clock)
     r = fleet.replicas["a"]
     r.healthy = True
@@ -147,7 +139,7 @@ async def test_arrival_rate_counts_other_callers_from_the_engines_finish_counter
 async def test_peers_work_adds_to_the_queue_and_the_arrival_rate(session: EngineClient) -> None:
     """Peer gateways' reports add to this gateway's own load: the engine's finish rate trails the arrivals while a
     queue builds, and an arrival rate too low prices a long prefill on a busy replica as cheap for its neighbours."""
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     fleet = fleet_of(config("a", "b"), session, clock=clock)
     for _ in range(100):  # this gateway sends 1 request/s
         fleet.dispatch("a", 10).finish(ok=True)
@@ -168,7 +160,7 @@ async def test_peers_work_adds_to_the_queue_and_the_arrival_rate(session: Engine
 
 
 async def test_view_ignores_stale_scrapes(session: EngineClient) -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     fleet = fleet_of(config("a", extra="scrape: {stale_after_ms: 500}\n"), session, clock=clock)
     r = fleet.replicas["a"]
     r.healthy = True
@@ -189,7 +181,7 @@ async def test_own_prefilling_is_bounded_by_what_the_engine_holds_and_what_was_s
 ) -> None:
     """Answers read whole count as prefilling until they are read (after their decode, and on a busy loop after the
     engine is done): the engine's own count at the last scrape, plus what was sent since, bounds them."""
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     fleet = fleet_of(config("a"), session, clock=clock)
     r = fleet.replicas["a"]
     r.healthy = True

@@ -8,16 +8,9 @@ from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.match import PrefixMatch, Tier
 from tests.index_inspection import tiers_of
+from tests.support import ManualClock
 
 BS = 4
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def keys(n: int, namespace: str = "m") -> list[int]:
@@ -91,7 +84,7 @@ def test_namespaces_are_isolated() -> None:
 
 
 def test_predictions_count_until_ttl_and_are_confirmed_by_stores() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     index = PrefixIndex(predicted_ttl_s=2.0, clock=clock)
     k = keys(4)
     index.store("a", k[:1], Tier.GPU, 0)
@@ -108,7 +101,7 @@ def test_predictions_count_until_ttl_and_are_confirmed_by_stores() -> None:
 
 
 def test_a_repeated_prediction_extends_the_ttl() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     index = PrefixIndex(predicted_ttl_s=2.0, clock=clock)
     k = keys(2)
     index.predict("a", k)
@@ -230,7 +223,7 @@ def test_a_full_cache_loses_its_least_recently_used_tail_first() -> None:
 def test_unconfirmed_predictions_count_as_blocks_still_to_allocate() -> None:
     """A prompt sent to a replica whose BlockStored has not arrived: its blocks, and what they evict, are not applied
     yet, even when the router no longer counts the request as prefilling."""
-    index = PrefixIndex(clock=FakeClock())
+    index = PrefixIndex(clock=ManualClock(100.0))
     old = block_keys(namespace_key("m"), list(range(100, 100 + 4 * BS)), BS)
     new = block_keys(namespace_key("m"), list(range(300, 300 + 3 * BS)), BS)
     index.store("a", old, Tier.GPU, 0)
@@ -272,7 +265,7 @@ def test_unpredict_drops_predictions_and_keeps_confirmed_blocks() -> None:
 def test_holdings_count_each_tier_and_the_live_predictions() -> None:
     """The operator's counts (``/admin/state``) follow stores, removals, eviction and drops, checked against a walk of
     the whole index, and predictions count until they expire."""
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     index = PrefixIndex(max_entries=40, predicted_ttl_s=2.0, clock=clock)
     assert index.holdings("a") == {"gpu_blocks": 0, "cpu_blocks": 0, "storage_blocks": 0, "predicted_blocks": 0}
 

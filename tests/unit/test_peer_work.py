@@ -16,18 +16,11 @@ from kvgate.router.peers.hints import (
 )
 from kvgate.router.fleet.peer_work import MAX_PREFILL_TOKENS, PeerWork
 from kvgate.router.settings.schema import parse_config
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import ManualClock
 
 
 def test_a_peers_share_counts_until_its_ttl_and_not_after() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000.0)
     work = PeerWork(1.0, clock)
     assert work.update("a", clock.now, {"r0": DispatchedWork(4000, 2, 3.0), "r1": DispatchedWork(0, 0, 0.5)})
     assert work.update("b", clock.now - 0.5, {"r0": DispatchedWork(1000, 1, 1.0)})
@@ -39,7 +32,7 @@ def test_a_peers_share_counts_until_its_ttl_and_not_after() -> None:
 
 
 def test_a_newer_report_replaces_the_last_and_an_older_one_is_refused() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000.0)
     work = PeerWork(1.0, clock)
     assert work.update("a", clock.now, {"r0": DispatchedWork(4000, 2, 3.0)})
     assert not work.update("a", clock.now - 0.1, {"r0": DispatchedWork(9000, 9, 9.0)})  # reordered: newer stands
@@ -61,14 +54,14 @@ def test_a_newer_report_replaces_the_last_and_an_older_one_is_refused() -> None:
     (0.0, DispatchedWork(10, 1, math.inf)),
 ])
 def test_a_stale_or_out_of_bounds_report_is_refused(sent_at_offset: float, work: DispatchedWork) -> None:
-    clock = Clock()
+    clock = ManualClock(1_000.0)
     peers = PeerWork(1.0, clock)
     assert peers.update("a", clock.now, {"r1": DispatchedWork(5, 1, 1.0)})
     assert not peers.update("a", clock.now + 0.001 + sent_at_offset, {"r0": work})
     assert peers.work("r0") == NO_WORK and peers.work("r1") == (5, 1, 1.0)  # the report in force stands
 
 
-def exchange(clock: Clock, work_ttl_s: float = 1.0) -> HintExchange:
+def exchange(clock: ManualClock, work_ttl_s: float = 1.0) -> HintExchange:
     config = parse_config(f"peers: {{hints: {{work_ttl_s: {work_ttl_s}}}}}").peers
     return HintExchange(config, PrefixIndex(1000, 2.0), lambda name: name in ("r0", "r1"), "token", "me", clock=clock)
 
@@ -78,7 +71,7 @@ def encode(message: Hint | Work) -> bytes:
 
 
 def test_received_work_counts_for_known_replicas_only_and_never_ones_own() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000.0)
     hints = exchange(clock)
     assert hints.apply(encode(Work(clock.now, "peer", [("r0", 800, 1, 2.0), ("elsewhere", 5, 1, 1.0)])))
     assert hints.work.work("r0") == (800, 1, 2.0) and hints.work.work("elsewhere") == NO_WORK
@@ -94,21 +87,21 @@ def test_received_work_counts_for_known_replicas_only_and_never_ones_own() -> No
 def test_a_report_in_another_format_is_dropped() -> None:
     """A gateway of another version (a rolling upgrade) reports work in a format of its own: it is dropped, and
     routing goes on with this gateway's own view."""
-    clock = Clock()
+    clock = ManualClock(1_000.0)
     hints = exchange(clock)
     assert not hints.apply(msgspec.msgpack.encode([WORK_FORMAT - 1, clock.now, "old", [["r0", 800, 1]]]))
     assert hints.work.work("r0") == NO_WORK and hints.stats.dropped == 1
 
 
 def test_work_is_ignored_when_sharing_is_off() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000.0)
     hints = exchange(clock, work_ttl_s=0)
     assert not hints.apply(encode(Work(clock.now, "peer", [("r0", 800, 1, 2.0)])))
     assert hints.work.work("r0") == NO_WORK
 
 
 def test_a_hint_from_oneself_is_not_credited_again() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000.0)
     hints = exchange(clock)
     keys = pack_keys([1, 2, 3])
     assert not hints.apply(encode(Hint(clock.now, "me", "r0", keys)))
@@ -116,7 +109,7 @@ def test_a_hint_from_oneself_is_not_credited_again() -> None:
 
 
 def test_a_peers_warming_reaches_replication_when_it_is_fresh_and_names_a_known_replica() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000.0)
     hints = exchange(clock)
     heard: list[tuple[int, str]] = []
     hints.on_peer_warming = lambda key, target: heard.append((key, target))
@@ -133,7 +126,7 @@ def test_a_peers_warming_reaches_replication_when_it_is_fresh_and_names_a_known_
 
 def test_the_peers_heard_are_remembered_freshest_first_and_bounded() -> None:
     """What ``/admin/state`` lists of the peers: who was last heard from and when, only for messages taken in."""
-    clock = Clock()
+    clock = ManualClock(1_000.0)
     hints = exchange(clock)
     assert hints.apply(encode(Hint(clock.now, "a", "r0", pack_keys([1, 2]))))
     clock.now += 0.5

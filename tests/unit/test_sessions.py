@@ -1,10 +1,12 @@
-"""The session memory: per tenant and cache salt, each tenant's bounded, least recently used forgotten first."""
+"""The session memory: per tenant and cache salt, each tenant's bounded, least recently used forgotten first; and
+how often each tenant's sessions come back."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvgate.router.routing.sessions import MIN_STARTS, SessionMemory
+from tests.support import ManualClock
 
 
 def test_a_session_is_remembered_per_cache_salt() -> None:
@@ -34,35 +36,20 @@ def test_one_tenants_fresh_sessions_evict_only_its_own() -> None:
     assert len(memory) == 4
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_sessions_are_assumed_to_come_back_until_enough_have_started() -> None:
-    clock = Clock()
-    memory = SessionMemory(capacity_per_tenant=1000, clock=clock)
-    for i in range(MIN_STARTS - 1):
-        memory.remember("once", None, f"s{i}", "r0")
-        clock.now += 1.0
-    assert memory.return_share("once") == 1.0
-    assert memory.return_share("unknown") == 1.0
-
-
-def test_a_client_that_never_reuses_its_session_ids_reads_zero() -> None:
-    clock = Clock()
+def test_sessions_count_as_coming_back_until_enough_started_then_fresh_ids_read_zero() -> None:
+    clock = ManualClock()
     memory = SessionMemory(capacity_per_tenant=1000, clock=clock)
     for i in range(4 * MIN_STARTS):
+        if i == MIN_STARTS - 1:
+            assert memory.return_share("fresh-ids") == 1.0  # too few sessions to tell
         memory.remember("fresh-ids", None, f"s{i}", "r0")
         clock.now += 0.5
     assert memory.return_share("fresh-ids") == 0.0
+    assert memory.return_share("unknown") == 1.0
 
 
 def test_the_return_share_is_returns_per_start_at_most_one_and_per_tenant() -> None:
-    clock = Clock()
+    clock = ManualClock()
     memory = SessionMemory(capacity_per_tenant=1000, clock=clock)
     for i in range(4 * MIN_STARTS):
         memory.remember("halves", None, f"s{i}", "r0")
