@@ -131,7 +131,7 @@ def test_a_new_session_is_priced_for_its_later_turns_where_it_starts() -> None:
     # there (CostModel.session_load_ms), nothing on the idle replica. A session starting now goes to "idle".
     fleet = [view("warm", gpu=2000, arrival_rate_per_s=3.0), view("idle")]
     p = policy(EXACT)
-    assert (p.decide(request(4000, session_id="s"), fleet).replica) == "warm"  # a session already placed
+    assert p.decide(request(4000, session_id="s"), fleet).replica == "warm"  # a session already placed
     decision = p.decide(request(4000, session_id="s", new_session=True), fleet, explain=True)
     assert (decision.replica, decision.reason) == ("idle", "new-session")
     rows = decision.details["replicas"]

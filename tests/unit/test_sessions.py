@@ -55,7 +55,7 @@ def test_the_return_share_is_returns_per_start_at_most_one_and_per_tenant() -> N
         memory.remember("halves", None, f"s{i}", "r0")
         if i % 2:
             memory.remember("halves", None, f"s{i}", "r0")  # every other session comes back once
-        for turn in range(5):
+        for _ in range(5):
             memory.remember("chatty", None, f"c{i}", "r1")
         clock.now += 0.5
     assert memory.return_share("halves") == pytest.approx(0.5, abs=0.05)
