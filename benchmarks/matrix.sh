@@ -3,8 +3,8 @@
 # kvgate policy plus the SGLang gateway and smg, REPEATS times each with the order rotated, one bench at a time (run
 # it with nothing else on the machine); then benchmarks/matrix_report.py: cost's wins per repeat against every other
 # router, per workload, on mean and p99 TTFT.
-#   benchmarks/matrix.sh [OUT] [REPEATS] [WORKLOAD ...]   WORKLOAD = docs-tight docs-light trace turns agentic shared
-#                                                          unique (default all)
+#   benchmarks/matrix.sh [OUT] [REPEATS] [WORKLOAD ...]   WORKLOAD = docs-tight docs-light trace synth turns agentic
+#                                                          shared unique (default all)
 #   POLICIES=cost,prefix_affinity benchmarks/matrix.sh ...  only these kvgate policies (the peers always run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,26 +28,27 @@ run() {  # run NAME ARGS...: skipped when OUT/NAME already has its results
 
 # Rates as capacity_matrix.sh calibrated them: documents at the closed-loop throughput (capacity-bound) and at ~30%,
 # multi-turn and agentic at ~70%; shared prefixes and unique prompts at their own rates and concurrency caps. The
-# trace at 10x is more than the fleet can finish: kvgate's gateway queue would refuse a quarter of it at its default
-# 30 s deadline while the peers serve everything late, so there its deadline is raised and every router serves (and
-# is timed on) every request.
+# traces at 10x are more than the fleet can finish: kvgate's gateway queue would refuse a quarter of the conversation
+# trace at its default 30 s deadline while the peers serve everything late, so on both its deadline is raised and
+# every router serves (and is timed on) every request.
 declare -A WORKLOADS=(
   [docs-tight]="DOCS TIGHT --rate 7.5"
   [docs-light]="DOCS TIGHT --rate 2.0"
   [trace]="TRACE --set admission.deadline_s=600"
+  [synth]="SYNTH --set admission.deadline_s=600"
   [turns]="TURNS TIGHT --rate 1.9"
   [agentic]="AGENT TIGHT --rate 1.1"
   [shared]="SHARED --kv-blocks 16384"
   [unique]="UNIQUE"
 )
-ORDER=(docs-tight docs-light trace turns agentic shared unique)
+ORDER=(docs-tight docs-light trace synth turns agentic shared unique)
 for name in "${@:-${ORDER[@]}}"; do
   spec=${WORKLOADS[$name]:-}
   [ -n "$spec" ] || { echo "unknown workload $name (one of: ${ORDER[*]})" >&2; exit 2; }
   args=()
   for word in $spec; do
     case $word in
-      DOCS|TIGHT|TRACE|TURNS|AGENT|SHARED|UNIQUE) declare -n part=$word; args+=("${part[@]}"); unset -n part ;;
+      DOCS|TIGHT|TRACE|SYNTH|TURNS|AGENT|SHARED|UNIQUE) declare -n part=$word; args+=("${part[@]}"); unset -n part ;;
       *) args+=("$word") ;;
     esac
   done

@@ -13,7 +13,10 @@ SHARED=(--workload shared-prefix --groups 16 --prompts-per-group 64 --system-tok
         --rate 60 --time-scale 2)
 # 1,000 prompts that share nothing, 64 at a time: routing can only balance load.
 UNIQUE=(--workload unique --requests 1000 --prompt-tokens 1024 --rate 1000 --concurrency 64 --time-scale 1)
-# The Mooncake conversation trace's first 600 requests that fit a replica at 10x speed on the engines' real clock,
-# 8-token blocks and 3,000 blocks per replica (24k tokens: a long prompt takes most of a replica's KV).
-TRACE=(--workload trace --trace benchmarks/traces/conversation_trace.jsonl --requests 600 --speed 10 --time-scale 1
-       --kv-blocks 3000 --max-input-tokens 23000 --sim-args "--block-size 8 --max-model-len 24000")
+# The Mooncake traces' first 600 requests that fit a replica, at 10x speed on the engines' real clock, 8-token blocks
+# and 3,000 blocks per replica (24k tokens: a long prompt takes most of a replica's KV): the conversation trace, and
+# the synthetic one (ShareGPT, L-Eval and LooGLE sessions, Poisson arrivals), which no policy parameter was tuned on.
+REPLAY=(--workload trace --requests 600 --speed 10 --time-scale 1 --kv-blocks 3000 --max-input-tokens 23000
+        --sim-args "--block-size 8 --max-model-len 24000")
+TRACE=("${REPLAY[@]}" --trace benchmarks/traces/conversation_trace.jsonl)
+SYNTH=("${REPLAY[@]}" --trace benchmarks/traces/synthetic_trace.jsonl)
