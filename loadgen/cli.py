@@ -66,7 +66,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                    help="pd-mix: chat user message range A:B tokens, after a 256-token system prompt (default 64:512)")
     w.add_argument("--chat-output-tokens", type=_pair, default=(16, 256),
                    help="pd-mix: chat output range A:B tokens (default 16:256)")
-    w.add_argument("--trace", type=Path, help="trace: Mooncake jsonl file")
+    w.add_argument("--trace", type=Path, help="trace: a Mooncake .jsonl or Azure LLM inference .csv file")
     w.add_argument("--speed", type=float, default=1.0,
                    help="trace, pd-mix: replay speed factor (2 = twice as fast; kvgate bench: 1/time-scale)")
     w.add_argument("--window", type=_pair, help="trace: window A:B in seconds of trace time")

@@ -1,5 +1,10 @@
-"""Mooncake-format trace replay: one JSON object per line with timestamp (ms), input_length, output_length and
-hash_ids, one id per 512-token block, chained so that equal ids at position i mean equal prefixes up to block i.
+"""Trace replay. Two formats:
+
+* Mooncake (``.jsonl``): one JSON object per line with timestamp (ms), input_length, output_length and hash_ids, one
+  id per 512-token block, chained so that equal ids at position i mean equal prefixes up to block i.
+* Azure LLM inference (``.csv``, the Splitwise traces): a ``TIMESTAMP,ContextTokens,GeneratedTokens`` header, then one
+  row per request with its arrival time and token counts and no prefix information: every request's blocks get ids
+  of their own, so no two prompts share anything and routing can only balance the load.
 
 Each hash id becomes a deterministic block of 512 round-trip-safe word tokens (keyed by seed and id), so two requests
 share exactly the prefix the trace says they share, and the text prompt tokenizes back to exactly those ids. The
@@ -9,10 +14,12 @@ in one burst, so each arrival is jittered uniformly within its tick.
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 import statistics
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from kvgate.loadgen.workloads.oracle import PrefixOracle
@@ -34,7 +41,15 @@ class TraceError(ValueError):
     """A trace file that cannot be replayed; the message names the file and line."""
 
 
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
 def read_trace(path: Path) -> list[TraceRow]:
+    """The trace's rows in arrival order, read as Azure CSV when the file name ends in ``.csv``, else as Mooncake."""
+    return read_azure_trace(path) if path.suffix.lower() == ".csv" else read_mooncake_trace(path)
+
+
+def read_mooncake_trace(path: Path) -> list[TraceRow]:
     rows: list[TraceRow] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -52,6 +67,47 @@ def read_trace(path: Path) -> list[TraceRow]:
                 raise TraceError(f"{path}:{n}: {len(row.hash_ids)} hash ids cannot cover {row.input_length} tokens")
             rows.append(row)
     return sorted(rows, key=lambda r: r.timestamp_ms)
+
+
+def read_azure_trace(path: Path) -> list[TraceRow]:
+    """Azure rows with timestamps in ms from the earliest arrival, and fresh block ids for every request (the trace
+    says nothing about shared prefixes)."""
+    parsed: list[tuple[datetime, int, int]] = []
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None or tuple(column.strip() for column in header) != AZURE_COLUMNS:
+            expected = ",".join(AZURE_COLUMNS)
+            raise TraceError(f"{path}:1: not an Azure LLM inference trace (its header must be {expected})")
+        for n, fields in enumerate(reader, 2):
+            if not fields:
+                continue
+            try:
+                stamp, context, generated = fields
+                row = (_azure_time(stamp), int(context), int(generated))
+            except ValueError as e:
+                raise TraceError(f"{path}:{n}: not an Azure trace row: {e}") from e
+            if row[1] <= 0 or row[2] < 0:
+                raise TraceError(f"{path}:{n}: a prompt needs at least one token and an output none below zero")
+            parsed.append(row)
+    if not parsed:
+        return []
+    parsed.sort(key=lambda row: row[0])
+    start = parsed[0][0]
+    rows: list[TraceRow] = []
+    next_id = 0
+    for stamp, context, generated in parsed:
+        blocks = -(-context // TRACE_BLOCK_TOKENS)
+        rows.append(TraceRow(round((stamp - start).total_seconds() * 1000), context, generated,
+                             tuple(range(next_id, next_id + blocks))))
+        next_id += blocks
+    return rows
+
+
+def _azure_time(stamp: str) -> datetime:
+    """``2023-11-16 18:15:46.6805900``: the trace writes seven fractional digits, one more than datetime takes."""
+    whole, dot, fraction = stamp.strip().partition(".")
+    return datetime.fromisoformat(f"{whole}.{fraction[:6]:0<6}" if dot else whole)
 
 
 def timestamp_tick_ms(rows: list[TraceRow]) -> float:

@@ -236,6 +236,39 @@ def test_bad_trace_is_refused_with_its_line(tmp_path: Path) -> None:
         read_trace(short)
 
 
+AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def test_azure_trace_replays_arrivals_and_lengths_with_nothing_shared(tmp_path: Path, tokenizer: ModelTokenizer) -> None:
+    trace = tmp_path / "azure.csv"
+    trace.write_text(AZURE_HEADER + "2023-11-16 18:15:47.0000000,1200,3\n"  # out of order: sorted by arrival
+                     "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:48.5,600,0\n")
+    rows = read_trace(trace)
+    assert [(r.timestamp_ms, r.input_length, r.output_length) for r in rows] == [(0, 374, 44), (319, 1200, 3),
+                                                                                 (1819, 600, 0)]
+    assert [len(r.hash_ids) for r in rows] == [1, 3, 2]
+    assert len({h for r in rows for h in r.hash_ids}) == 6  # every block its own: no prefix is shared
+    reqs = build_workload("trace", _opts(trace=trace, requests=None, speed=2.0))
+    assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 0.1595, 0.9095])
+    assert [r.prompt_tokens for r in reqs] == [374, 1200, 600]
+    assert [r.output_tokens for r in reqs] == [44, 3, 1]
+    assert [len(tokenizer.encode(r.body["prompt"])) for r in reqs] == [374, 1200, 600]
+    assert all(r.oracle_hit_tokens == 0 for r in reqs)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("time,in,out\n", "header must be"),
+    (AZURE_HEADER + "2023-11-16 18:15:46.68,12\n", "azure.csv:2"),
+    (AZURE_HEADER + "2023-11-16 18:15:46.68,10,1\nyesterday,10,1\n", "azure.csv:3"),
+    (AZURE_HEADER + "2023-11-16 18:15:46.68,0,1\n", "at least one token"),
+])
+def test_bad_azure_trace_is_refused_with_its_line(tmp_path: Path, text: str, message: str) -> None:
+    trace = tmp_path / "azure.csv"
+    trace.write_text(text)
+    with pytest.raises(TraceError, match=message):
+        read_trace(trace)
+
+
 def test_unknown_workload_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown workload"):
         build_workload("nope", _opts())
