@@ -4,7 +4,7 @@
 # it with nothing else on the machine); then benchmarks/matrix_report.py: cost's wins per repeat against every other
 # router, per workload, on mean and p99 TTFT.
 #   benchmarks/matrix.sh [OUT] [REPEATS] [WORKLOAD ...]   WORKLOAD = docs-tight docs-light trace synth turns agentic
-#                                                          shared unique (default all)
+#                                                          shared unique azure (default all)
 #   POLICIES=cost,prefix_affinity benchmarks/matrix.sh ...  only these kvgate policies (the peers always run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,15 +40,16 @@ declare -A WORKLOADS=(
   [agentic]="AGENT TIGHT --rate 1.1"
   [shared]="SHARED --kv-blocks 16384"
   [unique]="UNIQUE"
+  [azure]="AZURE"
 )
-ORDER=(docs-tight docs-light trace synth turns agentic shared unique)
+ORDER=(docs-tight docs-light trace synth turns agentic shared unique azure)
 for name in "${@:-${ORDER[@]}}"; do
   spec=${WORKLOADS[$name]:-}
   [ -n "$spec" ] || { echo "unknown workload $name (one of: ${ORDER[*]})" >&2; exit 2; }
   args=()
   for word in $spec; do
     case $word in
-      DOCS|TIGHT|TRACE|SYNTH|TURNS|AGENT|SHARED|UNIQUE) declare -n part=$word; args+=("${part[@]}"); unset -n part ;;
+      DOCS|TIGHT|TRACE|SYNTH|TURNS|AGENT|SHARED|UNIQUE|AZURE) declare -n part=$word; args+=("${part[@]}"); unset -n part ;;
       *) args+=("$word") ;;
     esac
   done

@@ -20,3 +20,7 @@ REPLAY=(--workload trace --requests 600 --speed 10 --time-scale 1 --kv-blocks 30
         --sim-args "--block-size 8 --max-model-len 24000")
 TRACE=("${REPLAY[@]}" --trace benchmarks/traces/conversation_trace.jsonl)
 SYNTH=("${REPLAY[@]}" --trace benchmarks/traces/synthetic_trace.jsonl)
+# The Azure LLM inference trace (conversation service): real arrivals and prompt and output lengths, no prefixes to
+# reuse, at 10x speed (~55 requests/s).
+AZURE=(--workload trace --trace benchmarks/traces/AzureLLMInferenceTrace_conv.csv --requests 1200 --speed 10
+       --time-scale 1)
