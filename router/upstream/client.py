@@ -89,7 +89,7 @@ class EngineResponse:
     the request's total deadline passed."""
 
     __slots__ = ("status", "headers", "_connection", "_chunks", "_buffered", "_complete", "_error", "_waiter",
-                 "_deadline", "_reads_until_close", "_sink", "_on_end")
+                 "_deadline", "_reads_until_close", "_sink", "_on_end", "_piped")
 
     def __init__(self, connection: _Connection) -> None:
         self.status = 0
@@ -107,6 +107,8 @@ class EngineResponse:
         self._sink: Callable[[bytes], None] | None = None
         """Where chunks go as they arrive once the answer is piped (:meth:`pipe`)."""
         self._on_end: Callable[[BaseException | None], None] | None = None
+        self._piped: list[bytes] = []
+        """A piped answer's chunks from the read in progress, for the sink at the read's end (:meth:`_flush`)."""
 
     def header(self, name: str) -> str | None:
         """The first value of header ``name`` (lower case), or None."""
@@ -163,12 +165,13 @@ class EngineResponse:
         """From now on hand the answer's chunks to ``sink`` as they arrive, from the connection's own callback (no
         reader woken, nothing buffered), those already in first; then ``on_end(None)`` at its end, or
         ``on_end(error)`` when it fails (a lost connection, the deadline, an abandon). A relay's way to read: a chunk
-        costs a call, not a task switch. :meth:`pause_reading` holds the chunks back while ``sink`` cannot take
-        more."""
+        costs a call, not a task switch. The chunks one read from the engine's socket brings go to ``sink`` as one:
+        an engine's events that queued while the gateway was busy leave in one write, not one each.
+        :meth:`pause_reading` holds the chunks back while ``sink`` cannot take more."""
         chunks, self._chunks = list(self._chunks), deque()
         self._drained()
-        for chunk in chunks:
-            sink(chunk)
+        if chunks:
+            sink(chunks[0] if len(chunks) == 1 else b"".join(chunks))
         if self._complete or self._error is not None:
             on_end(self._error)
             return
@@ -217,7 +220,7 @@ class EngineResponse:
 
     def _feed(self, data: bytes) -> None:
         if self._sink is not None:
-            self._sink(data)
+            self._piped.append(data)
             return
         self._chunks.append(data)
         self._buffered += len(data)
@@ -243,9 +246,19 @@ class EngineResponse:
         self._wake()
         self._ended(error)
 
+    def _flush(self) -> None:
+        """The read from the engine's socket is over: what it brought of a piped answer goes to the sink."""
+        piped = self._piped
+        if piped:
+            data = piped[0] if len(piped) == 1 else b"".join(piped)
+            piped.clear()
+            if self._sink is not None:
+                self._sink(data)
+
     # internals
 
     def _ended(self, error: BaseException | None) -> None:
+        self._flush()
         on_end, self._on_end = self._on_end, None
         self._sink = None
         if on_end is not None:
@@ -341,12 +354,15 @@ class _Connection(asyncio.Protocol):
         self._feed(data)
 
     def _feed(self, data: bytes) -> bool:
-        """Hand ``data`` to the parser; False when the answer failed for what it held."""
+        """Hand ``data`` to the parser, then what it held of the answer's body to a piped answer's sink; False when
+        the answer failed for what it held."""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._failed(UpstreamDisconnected(f"the engine's answer is not valid HTTP: {e}"))
             return False
+        if self.response is not None:
+            self.response._flush()
         return True
 
     def eof_received(self) -> bool | None:

@@ -336,6 +336,38 @@ async def test_a_piped_answer_hands_over_every_chunk_and_stops_while_its_sink_is
     assert b"".join(got) == payload and response.complete
 
 
+async def test_a_piped_answer_hands_over_what_each_read_brings_as_one_chunk() -> None:
+    piping, first_seen = asyncio.Event(), asyncio.Event()
+    events = [b"data: %d\n\n" % i for i in range(4)]
+
+    def framed(event: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(event), event)
+
+    async def streaming(conn: Conn) -> None:
+        await conn.next_request()
+        conn.writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await conn.writer.drain()
+        await piping.wait()
+        conn.writer.write(b"".join(framed(event) for event in events[:3]))  # three events in one segment
+        await conn.writer.drain()
+        await first_seen.wait()
+        await conn.answer(framed(events[3]) + b"0\r\n\r\n")
+        await conn.until_end()
+
+    async with wire_server(streaming) as wire, EngineClient(max_per_origin=4) as client:
+        response = await asyncio.wait_for(client.request("GET", wire.url + "/sse", connect_timeout_s=CONNECT_S),
+                                          DEADLINE_S)
+        got: list[bytes] = []
+        ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        response.pipe(got.append, ended.set_result)
+        piping.set()
+        await wait_until_async(lambda: got, "the first events", timeout=DEADLINE_S)
+        assert got == [b"".join(events[:3])]  # one write for the client, not three
+        first_seen.set()
+        assert await asyncio.wait_for(ended, DEADLINE_S) is None
+    assert got == [b"".join(events[:3]), events[3]]
+
+
 # a connection closing under a request
 
 
