@@ -22,8 +22,9 @@ script runs, which answers every export at once): tracing's cost, paired round b
 ``--rounds N`` runs every target N times per scenario in a rotated order and reports medians, plus kvgate's CPU per
 request above the bare proxy (and above the ``--compare-tree`` kvgate) paired round by round: single runs on a shared
 2-core machine vary by ~0.2 ms.
+``--output-tokens N`` asks every request for N tokens instead of 16: a stream's relay, one chunk per token.
 Run by hand: ``.venv/bin/python benchmarks/bench_overhead.py [--quick] [--rounds N] [--chars 2000] [--compare-tree DIR]
-[--policy NAME] [--traced]``.
+[--policy NAME] [--traced] [--output-tokens N]``.
 """
 
 
@@ -322,11 +323,13 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict, stre
     return (time.perf_counter() - started) * 1000.0, first * 1000.0, max_gap * 1000.0
 
 
-async def drive(target: Target, document: str, stream: bool, concurrency: int, requests: int) -> Result:
+async def drive(
+    target: Target, document: str, stream: bool, concurrency: int, requests: int, output_tokens: int = 16,
+) -> Result:
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
         def body(i: int) -> dict:
-            return {"model": MODEL, "prompt": f"{document}\nQuestion {i}: what follows?", "max_tokens": 16,
+            return {"model": MODEL, "prompt": f"{document}\nQuestion {i}: what follows?", "max_tokens": output_tokens,
                     "stream": stream}
 
         for i in range(min(20, requests)):  # warm connections and caches
@@ -419,7 +422,8 @@ async def main_async(args: argparse.Namespace) -> None:
                 for k in range(args.rounds):  # each round runs every target, starting one later each time
                     for target in targets[k % len(targets):] + targets[: k % len(targets)]:
                         rounds[target.name].append(
-                            await drive(target, document, stream, concurrency, max(20, int(n * scale)))
+                            await drive(target, document, stream, concurrency, max(20, int(n * scale)),
+                                        args.output_tokens)
                         )
                 direct = statistics.median(lat for r in rounds["direct"] for lat in r.latencies_ms)
                 cpu: dict[str, list[float]] = {}
@@ -485,6 +489,8 @@ def main() -> None:
                         help="only scenarios at this concurrency (repeatable)")
     parser.add_argument("--stream", choices=("yes", "no"), default=None,
                         help="only the streamed scenarios, or only the ones answered whole")
+    parser.add_argument("--output-tokens", type=int, default=16,
+                        help="tokens each request asks for (default 16; a long stream relays one chunk per token)")
     parser.add_argument("--compare-tree", type=Path, default=None,
                         help="also run kvgate from this source tree's .venv (e.g. a git worktree of an older commit)")
     parser.add_argument("--policy", action="append",
