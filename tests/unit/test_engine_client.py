@@ -20,6 +20,7 @@ from kvgate.router.upstream.client import (
     ANSWER_HEAD_MAX_BYTES,
     HIGH_WATER_BYTES,
     EngineClient,
+    EngineResponse,
     UpstreamBodyTooLarge,
     UpstreamConnectError,
     UpstreamDisconnected,
@@ -147,6 +148,17 @@ async def get(client: EngineClient, url: str, timeout_s: float | None = DEADLINE
     async with asyncio.timeout(DEADLINE_S):
         response = await client.request("GET", url, connect_timeout_s=CONNECT_S, timeout_s=timeout_s)
         return response.status, await response.read()
+
+
+async def piped(
+    client: EngineClient, url: str,
+) -> tuple[EngineResponse, list[bytes], asyncio.Future[BaseException | None]]:
+    """A GET's answer piped into a list as it arrives, and the future its end is told to."""
+    response = await asyncio.wait_for(client.request("GET", url, connect_timeout_s=CONNECT_S), DEADLINE_S)
+    got: list[bytes] = []
+    ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    response.pipe(got.append, ended.set_result)
+    return response, got, ended
 
 
 def unused_port() -> int:
@@ -320,11 +332,7 @@ async def test_a_piped_answer_hands_over_every_chunk_and_stops_while_its_sink_is
         await conn.until_end()
 
     async with wire_server(flooding) as wire, EngineClient(max_per_origin=4) as client:
-        response = await asyncio.wait_for(client.request("GET", wire.url + "/big", connect_timeout_s=CONNECT_S),
-                                          DEADLINE_S)
-        got: list[bytes] = []
-        ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-        response.pipe(got.append, ended.set_result)
+        response, got, ended = await piped(client, wire.url + "/big")
         await wait_until_async(lambda: got, "the first chunks", timeout=DEADLINE_S)
         response.pause_reading()
         held = sum(map(len, got))
@@ -355,11 +363,7 @@ async def test_a_piped_answer_hands_over_what_each_read_brings_as_one_chunk() ->
         await conn.until_end()
 
     async with wire_server(streaming) as wire, EngineClient(max_per_origin=4) as client:
-        response = await asyncio.wait_for(client.request("GET", wire.url + "/sse", connect_timeout_s=CONNECT_S),
-                                          DEADLINE_S)
-        got: list[bytes] = []
-        ended: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-        response.pipe(got.append, ended.set_result)
+        _, got, ended = await piped(client, wire.url + "/sse")
         piping.set()
         await wait_until_async(lambda: got, "the first events", timeout=DEADLINE_S)
         assert got == [b"".join(events[:3])]  # one write for the client, not three
