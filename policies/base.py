@@ -37,9 +37,6 @@ class RouteRequest:
     client that sends a fresh session id with every request has no later turns to price)."""
     tenant: str | None = None
     max_tokens: int | None = None
-    queued: bool = False
-    """It waited at the admission gate: the fleet was saturated, so the gateway, not the clients' arrivals, meters
-    the requests each replica gets."""
 
 
 @dataclass(frozen=True, slots=True)

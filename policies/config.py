@@ -42,13 +42,6 @@ class CostPolicyConfig(Section):
     """Weight of the delay a candidate's prefill imposes on the other requests arriving at that replica while it runs
     (queue scale × arrival rate × prefill² / 2: a queue delay, scaled as calibration scales the queue term), added to
     its predicted TTFT when candidates are compared; 0 compares TTFT alone."""
-    queued_interference_weight: float = Field(0.0, ge=0)
-    """``interference_weight`` for a request that waited at the admission gate (the fleet was saturated). The
-    interference term prices the requests that will arrive at a replica while a prefill runs there and wait behind
-    it; while the gate holds a queue, no request arrives at a busy replica unmetered: the gate lets the next one go
-    only when some replica can start it, and the policy then sees this prefill in that replica's queue delay. So the
-    term would only push long prompts onto the replicas already queued for long prompts, where they form the TTFT
-    tail. 0 compares a queued request on its own TTFT (and the other terms)."""
     eviction_weight: float = Field(1.0, ge=0)
     """Weight of the prefill the fleet is expected to lose to the evictions a candidate's copy causes on a full
     replica (its new tokens beyond the fewest any candidate must store, beyond its free room, × its cache's value per

@@ -108,9 +108,6 @@ class CostPolicy:
         approximate_match_weight: 0.5 — matches from approximate token ids are credited at this fraction, and
             approximate requests are never transferred (the prefix they would move may not be theirs).
         interference_weight: 1 — weight of the delay a candidate's prefill imposes on its replica's other arrivals.
-        queued_interference_weight: 0 — the same for a request the admission gate held (``RouteRequest.queued``):
-            while the gate meters the fleet's arrivals, none waits behind a prefill unmetered, and the term would
-            only pile long prompts onto the replicas already queued for long prompts (the TTFT tail).
         eviction_weight: 1 — weight of the prefill lost to what a candidate's copy evicts.
         decode_stall_weight: 1 — weight of the stall a local prefill puts on running decodes (fleets with prefill
             replicas only).
@@ -144,7 +141,7 @@ class CostPolicy:
         for v in views:
             e = estimates[v.name]
             candidates.append(self._candidate(
-                request, v, e.ttft_ms, e.prefill_ms, self._interference(request, rates[v.name], e.prefill_ms),
+                v, e.ttft_ms, e.prefill_ms, self._interference(rates[v.name], e.prefill_ms),
                 self._eviction(v, e.new_tokens, least_new), None, self._stall(v, e.prefill_ms) if split else 0.0,
             ))
         source = None
@@ -192,7 +189,6 @@ class CostPolicy:
 
     def _candidate(
         self,
-        request: RouteRequest,
         view: ReplicaView,
         ttft_ms: float,
         work_ms: float,
@@ -204,7 +200,7 @@ class CostPolicy:
     ) -> _Candidate:
         cfg = self.config
         bonus = cfg.session_bonus_ms if view.last_session_match else 0.0
-        score = (ttft_ms + self._interference_weight(request) * interference_ms + cfg.eviction_weight * eviction
+        score = (ttft_ms + cfg.interference_weight * interference_ms + cfg.eviction_weight * eviction
                  + cfg.decode_stall_weight * stall_ms - bonus)
         return _Candidate(
             view, ttft_ms, score, work_ms, interference_ms, eviction, replica_load(view), transfer, stall_ms,
@@ -259,11 +255,11 @@ class CostPolicy:
             estimate = self.cost_model.handoff_estimate(
                 request, prefill, decode, queues[prefill.name], queues[decode.name]
             )
-            interference = self._interference(request, prefill.arrival_rate_per_s, estimate.source_prefill_ms) + (
-                self._interference(request, rates[decode.name], estimate.dest_step_ms)
+            interference = self._interference(prefill.arrival_rate_per_s, estimate.source_prefill_ms) + (
+                self._interference(rates[decode.name], estimate.dest_step_ms)
             )
             found.append(self._candidate(
-                request, decode, estimate.ms, estimate.source_prefill_ms + estimate.dest_step_ms, interference,
+                decode, estimate.ms, estimate.source_prefill_ms + estimate.dest_step_ms, interference,
                 self._eviction(decode, estimate.tokens, least_new), estimate,
                 self._stall(decode, estimate.dest_step_ms), True,
             ))
@@ -287,14 +283,8 @@ class CostPolicy:
             return candidates
         return candidates + disaggregated
 
-    def _interference_weight(self, request: RouteRequest) -> float:
-        cfg = self.config
-        return cfg.queued_interference_weight if request.queued else cfg.interference_weight
-
-    def _interference(self, request: RouteRequest, arrival_rate_per_s: float, work_ms: float) -> float:
-        if not self._interference_weight(request):
-            return 0.0
-        return self.cost_model.interference_ms(arrival_rate_per_s, work_ms)
+    def _interference(self, arrival_rate_per_s: float, work_ms: float) -> float:
+        return self.cost_model.interference_ms(arrival_rate_per_s, work_ms) if self.config.interference_weight else 0.0
 
     def _eviction(self, view: ReplicaView, new_tokens: int, least_new: int) -> float:
         return copy_eviction_ms(view, new_tokens, least_new) if self.config.eviction_weight else 0.0
@@ -340,11 +330,11 @@ class CostPolicy:
             if estimate is not None and estimate.ms < estimates[dest.name].ttft_ms:
                 work = estimate.source_prefill_ms + estimate.dest_step_ms
                 source_rate = rates.get(source.name, source.arrival_rate_per_s)  # a draining source is not eligible
-                interference = self._interference(
-                    request, source_rate, estimate.source_prefill_ms
-                ) + self._interference(request, rates[dest.name], estimate.dest_step_ms)
+                interference = self._interference(source_rate, estimate.source_prefill_ms) + self._interference(
+                    rates[dest.name], estimate.dest_step_ms
+                )
                 eviction = self._eviction(dest, estimate.tokens, least_new)
-                found.append(self._candidate(request, dest, estimate.ms, work, interference, eviction, estimate))
+                found.append(self._candidate(dest, estimate.ms, work, interference, eviction, estimate))
         return found
 
     def _reason(

@@ -52,8 +52,6 @@ class Ticket:
     avoid: frozenset[str] = frozenset()
     """Replicas it may not be routed to: the headroom kept for other tenants when it was let through."""
     released: bool = False
-    queued: bool = False
-    """It waited in the queue before it was let through (the fleet was saturated when it came)."""
 
     def release(self) -> None:
         if not self.released:
@@ -99,7 +97,6 @@ class Pending:
         gate.metrics.admission_wait.labels(str(ticket.band), label).observe(gate.clock() - waiter.enqueued_at)
         gate._fairness.add(label, max(waiter.tokens, 1) / self.weight, gate.clock())
         gate._let_through(ticket, waiter.tokens)
-        ticket.queued = True
         return ticket
 
 

@@ -33,7 +33,7 @@ class Generate:
             ticket = await self.queue.wait(request, prompt, admitted.parsed, admission)
             if ticket is None:
                 return self.proxied.left_waiting(admission, api)
-            routed = self.route.route(prompt, admission, admitted.parsed.stream, queued=ticket.queued)
+            routed = self.route.route(prompt, admission, admitted.parsed.stream)
         except BaseException as err:
             if ticket is not None:
                 ticket.release()

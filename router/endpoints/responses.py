@@ -93,7 +93,7 @@ class Responses:
             ticket = await self.queue.wait(request, prompt, parsed, admission)
             if ticket is None:
                 return self.proxied.left_waiting(admission, api)
-            routed = self.route.route(prompt, admission, parsed.stream, queued=ticket.queued)
+            routed = self.route.route(prompt, admission, parsed.stream)
         except BaseException as err:
             if ticket is not None:
                 ticket.release()

@@ -52,20 +52,17 @@ class RouteStage:
     def reconfigure(self, proxy: ProxyConfig) -> None:
         self.proxy = proxy
 
-    def route(
-        self, prompt: Prompt, admission: Admission, stream: bool, *, queued: bool = False, explain: bool = False,
-    ) -> Routed:
-        """Key the prompt's blocks, look them up in the index and let the policy decide (``queued``: the request
-        waited at the admission gate); with ``explain``, the policy also fills in the numbers behind its decision
-        (and nothing is counted: nothing is sent). ``route_ms`` is this
+    def route(self, prompt: Prompt, admission: Admission, stream: bool, *, explain: bool = False) -> Routed:
+        """Key the prompt's blocks, look them up in the index and let the policy decide; with ``explain``, the policy
+        also fills in the numbers behind its decision (and nothing is counted: nothing is sent). ``route_ms`` is this
         stage's time plus the tokenizer's CPU time. A traced request's decision is recorded on its ``route`` span
         once it is forwarded (:meth:`~kvgate.router.pipeline.spans.RequestTrace.forwarding`)."""
         if admission.trace is not None:
             admission.trace.stage("route")
         with routing_errors():
-            return self._route(prompt, admission, stream, queued, explain)
+            return self._route(prompt, admission, stream, explain)
 
-    def _route(self, prompt: Prompt, admission: Admission, stream: bool, queued: bool, explain: bool) -> Routed:
+    def _route(self, prompt: Prompt, admission: Admission, stream: bool, explain: bool) -> Routed:
         started = time.perf_counter()
         names, routing, tokenized, cache_salt = prompt.candidates, prompt.routing, prompt.tokenized, prompt.cache_salt
         token_ids = tokenized.token_ids
@@ -105,7 +102,6 @@ class RouteStage:
             session_return_share=self.sessions.return_share(tenant) if new_session else 1.0,
             tenant=tenant,
             max_tokens=prompt.max_tokens,
-            queued=queued,
         )
         decision = routing.policy.decide(request, list(views.values()), explain=explain)
         if block_sizes.get(decision.replica, request.block_size) != request.block_size:

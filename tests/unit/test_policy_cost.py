@@ -84,18 +84,6 @@ def test_recomputing_elsewhere_is_charged_the_delay_it_imposes_on_that_replicas_
     assert policy(EXACT).decide(request(prompt), quiet).replica == "idle"
 
 
-def test_a_request_the_gate_held_goes_where_it_starts_soonest_not_where_it_holds_up_fewest() -> None:
-    # A saturated fleet: "short" takes many short prompts (6/s), "long" has a long prefill queued. Open to arrivals,
-    # a 12,000-token prompt would rather wait 440 ms on "long" than hold up short's next arrivals (interference
-    # 6 x 0.44 s x 440 ms / 2 = 581 ms). Released by the gate, no request arrives at "short" unmetered: it goes
-    # where its own first token comes first, as every later one will.
-    fleet = [view("short", arrival_rate_per_s=6.0), view("long", queued=1, queued_tokens=12_000, arrival_rate_per_s=0.2)]
-    assert policy(EXACT).decide(request(12_000), fleet).replica == "long"
-    assert policy(EXACT).decide(request(12_000, queued=True), fleet).replica == "short"
-    as_before = policy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0, queued_interference_weight=1))
-    assert as_before.decide(request(12_000, queued=True), fleet).replica == "long"
-
-
 def test_a_copy_onto_an_idle_replica_is_priced_at_the_fleets_mean_rate() -> None:
     # The holder of a 6,832-token document is still prefilling it (one request ahead): waiting there costs the
     # whole prefill again plus this request's own 128 new tokens, about 24 ms more than recomputing on a replica
