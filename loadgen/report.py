@@ -195,8 +195,51 @@ def summarize(
         mean = out[f"{name}_mean_ms"]
         out[f"{name}_vs_oracle"] = mean / floor if floor and not _missing(mean) and not _missing(floor) else math.nan
     out.update(prediction_audit(ok))
+    out.update(tail_audit(ok))
     out.update(copies_audit(records, requests, ideal))
     return out
+
+
+TAIL_SHARE = 0.01
+"""The share of requests, slowest first by client TTFT, that the tail audit describes: the ones behind the p99."""
+
+
+def tail_audit(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Who forms the TTFT tail: the slowest ``TAIL_SHARE`` of requests by client TTFT (at least one), their mean TTFT,
+    the mean of it spent in an engine's queue and in the engine altogether (its model clock, where the run has it),
+    and their mean prompt against every request's. A p99 made of the longest prompts, of queueing at the engines, or
+    of waiting before any engine took the request (a gateway's queue, the client's own lag) needs a different fix;
+    every router gets the same audit."""
+    timed = [r for r in records if r.ttft_s is not None]
+    if not timed:
+        return {}
+    worst = sorted(timed, key=lambda r: r.ttft_s or 0.0, reverse=True)[: max(1, math.ceil(len(timed) * TAIL_SHARE))]
+    return {
+        "tail_requests": len(worst),
+        "tail_ttft_mean_ms": _mean([(r.ttft_s or 0.0) * 1000 for r in worst]),
+        "tail_engine_queue_mean_ms": _mean([r.engine_queue_ms for r in worst if r.engine_queue_ms is not None]),
+        "tail_engine_ttft_mean_ms": _mean([r.engine_ttft_ms for r in worst if r.engine_ttft_ms is not None]),
+        "tail_prompt_tokens_mean": _mean([r.expected_prompt_tokens for r in worst]),
+        "prompt_tokens_mean": _mean([r.expected_prompt_tokens for r in timed]),
+    }
+
+
+def tail_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> list[str]:
+    """One line per run: the tail audit's figures (:func:`tail_audit`)."""
+    lines: list[str] = []
+    for name, s in summaries.items():
+        if _missing(s.get("tail_requests")) or not s["tail_requests"]:
+            continue
+        line = (f"- {name}: the slowest {s['tail_requests']:.0f} averaged {s['tail_ttft_mean_ms']:,.0f} ms, prompts of "
+                f"{s['tail_prompt_tokens_mean']:,.0f} tokens (every request: {s['prompt_tokens_mean']:,.0f})")
+        if not _missing(s.get("tail_engine_ttft_mean_ms")):
+            line += f"; {s['tail_engine_ttft_mean_ms']:,.0f} ms of it in an engine (model clock)"
+            if not _missing(s.get("tail_engine_queue_mean_ms")):
+                line += f", {s['tail_engine_queue_mean_ms']:,.0f} ms of that in its queue"
+        lines.append(line)
+    heading = (f"Who forms the TTFT tail: the slowest {TAIL_SHARE:.0%} of requests by client TTFT"
+               + (" (median across repeats)" if medians else "") + ":")
+    return ["", heading, ""] + lines if lines else []
 
 
 AUDIT_TERMS = ("ttft", "queue", "prefill")
@@ -458,6 +501,7 @@ def markdown_report(title: str, meta: dict[str, Any], summaries: dict[str, dict[
                   f"{candidate} against each baseline in the same repeat (a tie is not a win):", ""]
         lines += [f"- {w.sentence()}" for w in wins]
     lines += audit_lines(summaries, medians=ranges is not None)
+    lines += tail_lines(summaries, medians=ranges is not None)
     lines += copies_lines(summaries, medians=ranges is not None)
     lines += gateway_counter_lines(summaries, medians=ranges is not None)
     return "\n".join(lines) + "\n"
@@ -510,7 +554,8 @@ def print_table(title: str, summaries: dict[str, dict[str, Any]], ratios: dict[s
         for w in wins:
             colour = "green" if w.compared and w.wins == w.compared else "red"
             console.print(f"  [{colour}]{w.sentence()}[/]")
-    for line in audit_lines(summaries, medians=ranges is not None) + copies_lines(summaries, ranges is not None):
+    for line in (audit_lines(summaries, medians=ranges is not None) + tail_lines(summaries, ranges is not None)
+                 + copies_lines(summaries, ranges is not None)):
         console.print(line, markup=False)
 
 

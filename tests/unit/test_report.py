@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.loadgen.report import (
-    compare, inflight_timeline, load_imbalance, percentile, schedule_warning, summarize, write_results,
+    compare, inflight_timeline, load_imbalance, percentile, schedule_warning, summarize, tail_lines, write_results,
 )
 from kvgate.loadgen.runner import RequestRecord
 from kvgate.loadgen.workloads.oracle import IdealPrefill
@@ -162,3 +162,23 @@ def test_the_prediction_audit_splits_the_error_into_queue_and_prefill() -> None:
     assert audit["audit_prefill_bias_ms"] == pytest.approx(-10) and audit["audit_prefill_mae_ms"] == pytest.approx(10)
     blind = summarize([record(0, "a", 0.0, 0.1, 0.2)])  # a router that predicts nothing
     assert blind["audit_compared"] == 0 and math.isnan(blind["audit_ttft_bias_ms"])
+
+
+def test_the_tail_audit_describes_the_slowest_percent_against_every_request() -> None:
+    # 200 requests of 1,000 tokens answered in 100 ms, then two of 9,000 tokens that waited 3 s and 5 s, of which the
+    # engine's clock saw 1,500 and 2,500 ms (500 and 1,500 ms in its queue): the slowest 1% are those two.
+    records = [record(i, "a", 0.0, 0.1, 0.2, prompt=1000) for i in range(200)]
+    records += [record(200, "b", 0.0, 3.0, 3.1, prompt=9000), record(201, "b", 0.0, 5.0, 5.1, prompt=9000)]
+    for r, (engine, queue) in zip(records[-2:], ((1500, 500), (2500, 1500))):
+        r.engine_ttft_ms, r.engine_queue_ms = engine, queue
+    tail = summarize(records)
+    assert tail["tail_requests"] == 3  # ceil(1% of 202)
+    assert tail["tail_ttft_mean_ms"] == pytest.approx((3000 + 5000 + 100) / 3)
+    assert tail["tail_prompt_tokens_mean"] == pytest.approx((9000 + 9000 + 1000) / 3)
+    assert tail["prompt_tokens_mean"] == pytest.approx((200 * 1000 + 2 * 9000) / 202)
+    assert tail["tail_engine_ttft_mean_ms"] == pytest.approx(2000)  # the two the engine clock saw
+    assert tail["tail_engine_queue_mean_ms"] == pytest.approx(1000)
+    lines = tail_lines({"cost": tail})
+    assert "- cost: the slowest 3 averaged 2,700 ms, prompts of 6,333 tokens (every request: 1,079); 2,000 ms of it " \
+           "in an engine (model clock), 1,000 ms of that in its queue" in lines
+    assert "tail_requests" not in summarize([record(0, "a", 0.0, 0.1, 0.2, status=500)])
