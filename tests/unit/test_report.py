@@ -166,7 +166,8 @@ def test_the_prediction_audit_splits_the_error_into_queue_and_prefill() -> None:
 
 def test_the_tail_audit_describes_the_slowest_percent_against_every_request() -> None:
     # 200 requests of 1,000 tokens answered in 100 ms, then two of 9,000 tokens that waited 3 s and 5 s, of which the
-    # engine's clock saw 1,500 and 2,500 ms (500 and 1,500 ms in its queue): the slowest 1% are those two.
+    # engine's clock saw 1,500 and 2,500 ms (500 and 1,500 ms in its queue). The slowest 1%, rounded up, are those two
+    # and one of the rest.
     records = [record(i, "a", 0.0, 0.1, 0.2, prompt=1000) for i in range(200)]
     records += [record(200, "b", 0.0, 3.0, 3.1, prompt=9000), record(201, "b", 0.0, 5.0, 5.1, prompt=9000)]
     for r, (engine, queue) in zip(records[-2:], ((1500, 500), (2500, 1500))):
