@@ -171,7 +171,7 @@ class EngineResponse:
         chunks, self._chunks = list(self._chunks), deque()
         self._drained()
         if chunks:
-            sink(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            sink(b"".join(chunks))  # one chunk is handed over as it is: joining one bytes object returns it
         if self._complete or self._error is not None:
             on_end(self._error)
             return
@@ -250,7 +250,7 @@ class EngineResponse:
         """The read from the engine's socket is over: what it brought of a piped answer goes to the sink."""
         piped = self._piped
         if piped:
-            data = piped[0] if len(piped) == 1 else b"".join(piped)
+            data = b"".join(piped)
             piped.clear()
             if self._sink is not None:
                 self._sink(data)
