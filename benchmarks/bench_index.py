@@ -10,14 +10,20 @@
 - a prompt's keys through RecentBlockKeys (the route stage's) against block_keys, per prompt size: a prompt that
   shares all but its last 40 tokens with the previous one (a chat's next turn, a document asked about again), and one
   that shares nothing (the cost of remembering it),
-  with the reuse floor lowered to 1 block to show where it pays.
+  with the reuse floor lowered to 1 block to show where it pays;
+- a live subscription's CPU per frame: frames published one at a time over real ZMQ by another process (as an engine
+  publishes one batch per step), received, decoded and applied by a KvEventSubscriber on uvloop, against the same
+  frames decoded and applied without a socket: the difference is what receiving costs per wake-up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -29,6 +35,7 @@ from kvgate.cache_index.index import _SWEEP_AFTER, PrefixIndex
 from kvgate.cache_index.ingest import EventIngestor
 from kvgate.cache_index.keys import RecentBlockKeys, block_keys, namespace_key
 from kvgate.cache_index.match import Tier
+from kvgate.cache_index.subscriber import KvEventSubscriber
 from kvgate.loadgen.sim.wire import BlockRemoved, BlockStored, KVEventBatch
 
 BS = 16
@@ -220,12 +227,77 @@ def bench_recent_keys() -> None:
               f"{timed['unique block_keys']:.1f} and {timed['unique recent']:.1f}")
 
 
+LIVE_FRAMES = 4_000
+LIVE_INTERVAL_S = 0.0005
+PUBLISHER = """
+import sys, time, msgspec, zmq
+frames = msgspec.msgpack.decode(open(sys.argv[2], "rb").read())
+pub = zmq.Context().socket(zmq.PUB)
+pub.bind(sys.argv[1])
+sys.stdout.write("bound\\n"); sys.stdout.flush()
+sys.stdin.readline()  # the subscriber has joined
+for seq, payload in enumerate(frames):
+    pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+    time.sleep(float(sys.argv[3]))
+sys.stdin.readline()
+"""
+
+
+def bench_live_subscription() -> None:
+    """CPU per frame of a live subscription on uvloop, frames arriving one per wake-up."""
+    import uvloop
+
+    frames = event_frames(LIVE_FRAMES, 1, 1)
+    _, _, applied_s = ingest_timed(frames)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path = f"/tmp/kvgate-bench-frames-{os.getpid()}"
+    with open(path, "wb") as out:
+        out.write(msgspec.msgpack.encode(frames))
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHER, f"tcp://127.0.0.1:{port}", path, str(LIVE_INTERVAL_S)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert publisher.stdout is not None and publisher.stdin is not None
+        publisher.stdout.readline()
+
+        async def receive() -> float:
+            index = PrefixIndex(max_entries=10_000_000)
+            ingestor = EventIngestor(index)
+            ingestor.add_replica("r", model="m")
+            subscriber = KvEventSubscriber(ingestor, "r", f"tcp://127.0.0.1:{port}", topic="kv")
+            subscriber.start()
+            await asyncio.sleep(0.5)  # the SUB socket joins; nothing is published before the go below
+            publisher.stdin.write("go\n")
+            publisher.stdin.flush()
+            start = time.process_time()
+            deadline = time.monotonic() + 60
+            while ingestor.expected_seq("r") != LIVE_FRAMES and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            elapsed = time.process_time() - start
+            await subscriber.stop()
+            assert ingestor.expected_seq("r") == LIVE_FRAMES, ingestor.expected_seq("r")
+            return elapsed
+
+        live_s = uvloop.run(receive())
+        publisher.stdin.write("done\n")
+        publisher.stdin.flush()
+    finally:
+        publisher.wait(timeout=30)
+        os.unlink(path)
+    print(f"live subscription: {live_s / LIVE_FRAMES * 1e6:.1f} µs CPU per frame received one per wake-up "
+          f"({applied_s / LIVE_FRAMES * 1e6:.1f} µs of it decoding and applying; {LIVE_FRAMES:,} frames of 1 block, "
+          f"one every {LIVE_INTERVAL_S * 1e3:g} ms, the loop's 50 ms checks included)")
+
+
 def main() -> None:
     bench_block_keys()
     bench_recent_keys()
     bench_ingest("vLLM-shaped (16 blocks per BlockStored, 4 per frame)", event_frames(5_000, 16, 4), 5_000 * 64)
     bench_ingest("SGLang-shaped (1 block per BlockStored, 16 per frame)", event_frames(10_000, 1, 16), 10_000 * 16)
     bench_churn()
+    bench_live_subscription()
     bench_lookup()
     bench_memory()
 

@@ -1,6 +1,6 @@
 """One ZMQ subscription per replica, feeding the :class:`EventIngestor` from the router's asyncio loop.
 
-Each :class:`KvEventSubscriber` owns a ``zmq.asyncio`` SUB socket connected to the replica's ``kv_events``
+Each :class:`KvEventSubscriber` owns a SUB socket connected to the replica's ``kv_events``
 endpoint. ZMQ reconnects by itself with exponential backoff (``RECONNECT_IVL`` → ``RECONNECT_IVL_MAX``); on top of
 that a liveness watch recreates the socket after ``idle_reconnect_s`` of silence, in case the peer went away without
 the TCP connection noticing. Frames are ``[topic, seq, payload]`` (``[seq, payload]`` is tolerated); anything else is
@@ -36,7 +36,7 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 _SEQ_BYTES = 8
 DRAIN_BATCH = 64
 """Messages handled in a row before the loop gets a turn."""
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+"""As plain ints: ``EVENTS`` is asked on every wake-up, and the option and flag enums cost more than the call."""
 
 
 class ReplayFailed(Exception):
@@ -128,40 +131,52 @@ class KvEventSubscriber:
     async def stop(self) -> None:
         await _ended([self.cancel()])
 
-    def _connect(self) -> zmq.asyncio.Socket:
-        sock = self._context.socket(zmq.SUB)
+    def _connect(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = zmq.Socket(self._context, zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        sock.setsockopt(zmq.RCVTIMEO, round(self.idle_reconnect_s * 1000))  # recv raises zmq.Again when idle
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sock.connect(self.endpoint)
         return sock
 
     async def _run(self) -> None:
-        sock = self._connect()
-        queued = zmq.Socket.shadow(sock.underlying)
+        sock = self._connect()  # before the catch-up: what the engine publishes meanwhile waits in the socket
         try:
             await self._join()
-            while True:
-                try:
-                    frames = await sock.recv_multipart()
-                except zmq.Again:  # RCVTIMEO: silent for idle_reconnect_s
-                    sock.close(0)
-                    sock = self._connect()
-                    queued = zmq.Socket.shadow(sock.underlying)
-                    self.reconnects += 1
-                    continue
-                await self._handle_queued(frames, queued)
+        except BaseException:
+            sock.close(0)
+            raise
+        while True:
+            await self._receive(sock)
+            self.reconnects += 1
+            sock = self._connect()
+
+    async def _receive(self, sock: zmq.Socket[bytes]) -> None:
+        """Receive on one SUB socket until it has been silent for ``idle_reconnect_s``, then close it.
+
+        The socket is a plain one, read without waiting; the loop watches its file descriptor with one reader for the
+        socket's life. A wake-up costs one future, where a ``zmq.asyncio`` receive costs a future, a timeout timer and
+        a re-registration per message. ZMQ's descriptor only says that the socket's state may have changed, so every
+        wake-up asks ``EVENTS`` (which also clears the signal) before anything is read."""
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(loop, sock, self.idle_reconnect_s)
+        loop.add_reader(sock.FD, waiting.on_signal)
+        try:
+            while await waiting.readable():
+                waiting.heard()
+                await self._handle_queued(sock)
         finally:
+            waiting.close()
+            loop.remove_reader(sock.FD)
             sock.close(0)
 
-    async def _handle_queued(self, frames: list[bytes], sock: zmq.Socket) -> None:
-        """Handle the message that woke the subscription, then those already queued behind it, read without waiting from
-        a plain (not asyncio) shadow of the socket: one asyncio future per wake-up instead of two per message. The loop
-        gets a turn every ``DRAIN_BATCH`` messages."""
+    async def _handle_queued(self, sock: zmq.Socket[bytes]) -> None:
+        """Handle every message queued in ``sock``, read without waiting (``EVENTS`` says when it is empty: cheaper
+        than the exception an empty read raises). The loop gets a turn every ``DRAIN_BATCH`` messages."""
         handled = 0
-        while True:
+        while _has_message(sock):
+            frames = sock.recv_multipart(zmq.NOBLOCK)
             self.frames_received += 1
             try:
                 await self.handle_frames(frames)
@@ -170,10 +185,6 @@ class KvEventSubscriber:
             handled += 1
             if handled % DRAIN_BATCH == 0:
                 await asyncio.sleep(0)
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
 
     async def _join(self) -> None:
         """Catch up from the engine's replay buffer before the first live frame (the SUB socket is connected first,
@@ -208,9 +219,11 @@ class KvEventSubscriber:
         elif len(frames) == 2:
             seq_frame, payload = frames
         else:
-            return self._malformed_frame(f"message of {len(frames)} frames")
+            self._malformed_frame(f"message of {len(frames)} frames")
+            return None
         if len(seq_frame) != _SEQ_BYTES:
-            return self._malformed_frame(f"sequence frame of {len(seq_frame)} bytes")
+            self._malformed_frame(f"sequence frame of {len(seq_frame)} bytes")
+            return None
         seq = int.from_bytes(seq_frame, "big")
         if self._replayed_through is not None:
             if self.ingestor.generation(self.name) == self._replayed_generation:
@@ -345,6 +358,54 @@ class KvEventSubscriber:
             sock.close(0)
 
 
+class _Waiting:
+    """A subscription waiting for its socket: woken by the socket's descriptor, or told it has been silent for
+    ``idle_s`` by one timer re-armed only when it fires (never per message)."""
+
+    __slots__ = ("loop", "sock", "idle_s", "last_heard", "waiter", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket[bytes], idle_s: float) -> None:
+        self.loop = loop
+        self.sock = sock
+        self.idle_s = idle_s
+        self.last_heard = loop.time()
+        self.waiter: asyncio.Future[bool] | None = None
+        self.timer = loop.call_at(self.last_heard + idle_s, self._check_idle)
+
+    def heard(self) -> None:
+        self.last_heard = self.loop.time()
+
+    async def readable(self) -> bool:
+        """True once a message can be read; False when the socket has been silent for ``idle_s``."""
+        if _has_message(self.sock):
+            return True
+        if self.loop.time() - self.last_heard >= self.idle_s:
+            return False
+        self.waiter = self.loop.create_future()
+        try:
+            return await self.waiter
+        finally:
+            self.waiter = None
+
+    def on_signal(self) -> None:
+        if _has_message(self.sock):
+            self._wake(True)
+
+    def _check_idle(self) -> None:
+        due = self.last_heard + self.idle_s
+        if self.loop.time() >= due:
+            self._wake(False)
+            due = self.loop.time() + self.idle_s
+        self.timer = self.loop.call_at(due, self._check_idle)
+
+    def _wake(self, readable: bool) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(readable)
+
+    def close(self) -> None:
+        self.timer.cancel()
+
+
 class SubscriptionManager:
     """Starts and stops one :class:`KvEventSubscriber` per (replica, DP rank) on the running loop."""
 
@@ -407,6 +468,11 @@ class SubscriptionManager:
 
     def subscribers(self) -> list[KvEventSubscriber]:
         return list(self._subscribers.values())
+
+
+def _has_message(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a whole message can be read from ``sock`` now. Asking also clears the signal on its descriptor."""
+    return bool(cast(int, sock.get(_EVENTS)) & _POLLIN)
 
 
 def _digest(payload: bytes) -> bytes:
