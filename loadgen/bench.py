@@ -435,10 +435,11 @@ def attach_engine_view(records: list[RequestRecord], fleet: BenchFleet) -> None:
 
 
 def attach_predictions(records: list[RequestRecord], logs: list[Path], time_scale: float = 1.0) -> None:
-    """Fill in kvgate's predictions (its ``kvgate.requests`` log lines, matched by request id): the TTFT and queue
-    delay the cost model predicted on the replica that served each request, on the engines' model clock. The gateway
-    predicts on the wall clock (its policy file prices a sim ``time_scale`` times slower than the model,
-    :func:`describe_sim_speed`), so its predictions are divided by ``time_scale`` to be held to the model clock."""
+    """Fill in what kvgate logged of each request (its ``kvgate.requests`` log lines, matched by request id): the TTFT
+    and queue delay the cost model predicted on the replica that served it, on the engines' model clock, and its own
+    TTFT and the part of it after dispatch (wall clock). The gateway predicts on the wall clock (its policy file
+    prices a sim ``time_scale`` times slower than the model, :func:`describe_sim_speed`), so its predictions are
+    divided by ``time_scale`` to be held to the model clock."""
     scale = time_scale if time_scale > 0 else 1.0
     by_id = {r.request_id: r for r in records}
     for path in logs:
@@ -447,7 +448,7 @@ def attach_predictions(records: list[RequestRecord], logs: list[Path], time_scal
         except OSError:
             continue
         for line in text.splitlines():
-            if not line.startswith("{") or '"predicted_ttft_ms"' not in line:
+            if not line.startswith("{") or '"ttft_ms"' not in line:
                 continue
             try:
                 fields = json.loads(line)
@@ -458,6 +459,9 @@ def attach_predictions(records: list[RequestRecord], logs: list[Path], time_scal
             ttft, queue = fields.get("predicted_ttft_ms"), fields.get("predicted_queue_ms")
             if isinstance(ttft, (int, float)) and isinstance(queue, (int, float)):
                 record.predicted_ttft_ms, record.predicted_queue_ms = float(ttft) / scale, float(queue) / scale
+            own, upstream = fields.get("ttft_ms"), fields.get("upstream_ttft_ms")
+            if isinstance(own, (int, float)) and isinstance(upstream, (int, float)):
+                record.gateway_ttft_ms, record.upstream_ttft_ms = float(own), float(upstream)
 
 
 def _is_first_leg(entry: dict[str, Any]) -> bool:

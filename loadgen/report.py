@@ -207,9 +207,11 @@ TAIL_SHARE = 0.01
 def tail_audit(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """Who forms the TTFT tail: the slowest ``TAIL_SHARE`` of requests by client TTFT (at least one), their mean TTFT,
     the mean of it spent in an engine's queue and in the engine altogether (its model clock, where the run has it),
-    and their mean prompt against every request's. A p99 made of the longest prompts, of queueing at the engines, or
-    of waiting before any engine took the request (a gateway's queue, the client's own lag) needs a different fix;
-    every router gets the same audit."""
+    and their mean prompt against every request's. Behind kvgate, also the mean of it kvgate spent before dispatching
+    (its queue, tokenizing, routing) and from dispatch to the engine's first token (wall clock), for the tail and for
+    every request. A p99 made of the longest prompts, of queueing at the engines, of waiting before any engine took
+    the request (a gateway's queue or CPU, the client's own lag) or of engines running late on a busy machine needs a
+    different fix; every router gets the same audit, as far as it can be seen."""
     timed = [r for r in records if r.ttft_s is not None]
     if not timed:
         return {}
@@ -221,7 +223,17 @@ def tail_audit(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "tail_engine_ttft_mean_ms": _mean([r.engine_ttft_ms for r in worst if r.engine_ttft_ms is not None]),
         "tail_prompt_tokens_mean": _mean([r.expected_prompt_tokens for r in worst]),
         "prompt_tokens_mean": _mean([r.expected_prompt_tokens for r in timed]),
+        "tail_before_dispatch_mean_ms": _before_dispatch_ms(worst),
+        "before_dispatch_mean_ms": _before_dispatch_ms(timed),
+        "tail_upstream_ttft_mean_ms": _mean([r.upstream_ttft_ms for r in worst if r.upstream_ttft_ms is not None]),
+        "upstream_ttft_mean_ms": _mean([r.upstream_ttft_ms for r in timed if r.upstream_ttft_ms is not None]),
     }
+
+
+def _before_dispatch_ms(records: Sequence[RequestRecord]) -> float:
+    """The mean time kvgate held requests before dispatching them (from its request log), NaN behind other routers."""
+    return _mean([r.gateway_ttft_ms - r.upstream_ttft_ms for r in records
+                  if r.gateway_ttft_ms is not None and r.upstream_ttft_ms is not None])
 
 
 def tail_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> list[str]:
@@ -236,6 +248,10 @@ def tail_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> l
             line += f"; {s['tail_engine_ttft_mean_ms']:,.0f} ms of it in an engine (model clock)"
             if not _missing(s.get("tail_engine_queue_mean_ms")):
                 line += f", {s['tail_engine_queue_mean_ms']:,.0f} ms of that in its queue"
+        if not _missing(s.get("tail_before_dispatch_mean_ms")) and not _missing(s.get("tail_upstream_ttft_mean_ms")):
+            line += (f"; in kvgate {s['tail_before_dispatch_mean_ms']:,.0f} ms before dispatch (every request: "
+                     f"{s['before_dispatch_mean_ms']:,.0f}), then {s['tail_upstream_ttft_mean_ms']:,.0f} ms to the "
+                     f"engine's first token (every request: {s['upstream_ttft_mean_ms']:,.0f})")
         lines.append(line)
     heading = (f"Who forms the TTFT tail: the slowest {TAIL_SHARE:.0%} of requests by client TTFT"
                + (" (median across repeats)" if medians else "") + ":")

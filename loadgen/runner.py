@@ -68,6 +68,11 @@ class RequestRecord:
     other routers, and for policies that price no replica)."""
     predicted_queue_ms: float | None = None
     """The queue delay within ``predicted_ttft_ms``."""
+    gateway_ttft_ms: float | None = None
+    """kvgate's own TTFT for the request (wall clock, from its arrival at the gateway), from its request log line."""
+    upstream_ttft_ms: float | None = None
+    """The part of ``gateway_ttft_ms`` after kvgate dispatched the request to its replica (wall clock); the rest was
+    kvgate's: its queue, tokenizing, routing."""
     retry_after: str | None = None
     """A refusal's ``Retry-After`` header, when it carried one."""
     id_prefix: str = "loadgen"

@@ -162,7 +162,9 @@ class Accounting:
             matched_tokens=matched, predicted_tokens=predicted, cached_tokens=cached,
             predicted_ttft_ms=None if predicted_ttft is None else round(predicted_ttft, 3),
             predicted_queue_ms=None if predicted_ttft is None else round(routed.queue_delay_ms(up.replica), 3),
-            ttft_ms=round(ttft_ms, 3) if stream else None, e2e_ms=round(e2e_ms, 3), status=status,
+            ttft_ms=round(ttft_ms, 3) if stream else None,
+            upstream_ttft_ms=round((up.first_byte_at - up.sent_at) * 1000.0, 3) if stream else None,
+            e2e_ms=round(e2e_ms, 3), status=status,
             attempts=up.attempts, stream=stream,
         )
 

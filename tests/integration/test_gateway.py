@@ -124,6 +124,7 @@ def test_each_request_writes_one_json_log_line(client: openai.OpenAI, gw: Gatewa
         usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     )
     assert line["ttft_ms"] > 0 and line["e2e_ms"] >= line["ttft_ms"] and line["attempts"] == 1
+    assert 0 < line["upstream_ttft_ms"] <= line["ttft_ms"]  # the part after dispatch
 
 
 def test_every_proxied_endpoint_writes_exactly_one_request_log_line(gw: Gateway) -> None:

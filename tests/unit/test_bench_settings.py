@@ -75,12 +75,13 @@ def test_predictions_are_held_to_the_model_clock_of_a_slowed_sim(tmp_path: Path)
     log = tmp_path / "kvgate.log"
     log.write_text("\n".join([
         json.dumps({"logger": "kvgate.requests", "id": "loadgen-0", "predicted_ttft_ms": 400.0,
-                    "predicted_queue_ms": 40.0}),
+                    "predicted_queue_ms": 40.0, "ttft_ms": 600.0, "upstream_ttft_ms": 500.0}),
         "not json", json.dumps({"id": "unknown", "predicted_ttft_ms": 1.0, "predicted_queue_ms": 1.0}),
     ]) + "\n")
     record = RequestRecord(0, "chat", None, 0.0, 0.0, 0, 0)
     attach_predictions([record], [log], time_scale=4.0)
     assert (record.predicted_ttft_ms, record.predicted_queue_ms) == (100.0, 10.0)
+    assert (record.gateway_ttft_ms, record.upstream_ttft_ms) == (600.0, 500.0)  # its own clock: the wall's
 
 
 def test_a_port_block_is_never_handed_out_twice_before_its_server_binds(monkeypatch: pytest.MonkeyPatch) -> None:

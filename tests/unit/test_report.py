@@ -182,4 +182,24 @@ def test_the_tail_audit_describes_the_slowest_percent_against_every_request() ->
     lines = tail_lines({"cost": tail})
     assert "- cost: the slowest 3 averaged 2,700 ms, prompts of 6,333 tokens (every request: 1,079); 2,000 ms of it " \
            "in an engine (model clock), 1,000 ms of that in its queue" in lines
+    assert math.isnan(tail["tail_before_dispatch_mean_ms"])  # behind a router that logs nothing
     assert "tail_requests" not in summarize([record(0, "a", 0.0, 0.1, 0.2, status=500)])
+
+
+def test_the_tail_audit_splits_kvgate_s_own_time_from_the_engine_s() -> None:
+    # kvgate logged every request's TTFT from its arrival and the part after dispatch: the short ones 90 ms of which
+    # 80 after dispatch; the two slow ones 2,900 and 4,900 ms, held 1,000 and 3,000 ms before dispatch.
+    records = [record(i, "a", 0.0, 0.1, 0.2, prompt=1000) for i in range(200)]
+    records += [record(200, "b", 0.0, 3.0, 3.1, prompt=9000), record(201, "b", 0.0, 5.0, 5.1, prompt=9000)]
+    for r in records[:200]:
+        r.gateway_ttft_ms, r.upstream_ttft_ms = 90.0, 80.0
+    records[200].gateway_ttft_ms, records[200].upstream_ttft_ms = 2900.0, 1900.0
+    records[201].gateway_ttft_ms, records[201].upstream_ttft_ms = 4900.0, 1900.0
+    tail = summarize(records)
+    assert tail["tail_before_dispatch_mean_ms"] == pytest.approx((1000 + 3000 + 10) / 3)
+    assert tail["tail_upstream_ttft_mean_ms"] == pytest.approx((1900 + 1900 + 80) / 3)
+    assert tail["before_dispatch_mean_ms"] == pytest.approx((200 * 10 + 1000 + 3000) / 202)
+    assert tail["upstream_ttft_mean_ms"] == pytest.approx((200 * 80 + 2 * 1900) / 202)
+    line = next(line for line in tail_lines({"cost": tail}) if line.startswith("- cost"))
+    assert line.endswith("; in kvgate 1,337 ms before dispatch (every request: 30), then 1,293 ms to the engine's "
+                         "first token (every request: 98)")
