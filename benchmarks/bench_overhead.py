@@ -1,6 +1,7 @@
 """Router overhead: kvgate vs calling one sim replica directly, side by side with a bare proxy and the SGLang gateway.
 
-Starts ``kvgate sim --replicas 1 --time-scale 0`` and, in front of it, kvgate (``kvgate serve``), a raw proxy on uvloop
+Starts ``kvgate sim --replicas 1 --time-scale 0`` (``--sim-time-scale``: 1 paces it like the engine it models, so a
+stream's tokens arrive one by one) and, in front of it, kvgate (``kvgate serve``), a raw proxy on uvloop
 and httptools protocols (the floor any Python proxy pays), a bare FastAPI + aiohttp proxy (the common Python stack),
 and the SGLang Model Gateway (``sglang_router``, cache_aware) when it is importable. The driver (this process, aiohttp) sends the same requests to each target in turn, per scenario:
 2,000- and 100,000-character prompts (a shared document plus a per-request question, so kvgate's tokenizer cache is
@@ -205,12 +206,13 @@ class Target:
 
 def start_targets(
     tmp: Path, with_sglang: bool, compare_tree: Path | None, traced: bool = False, policies: list[str] | None = None,
+    sim_time_scale: float = 0.0,
 ) -> tuple[list[ChildProcess], list[Target]]:
     """The targets, direct first, and the processes behind them that are not measured (the sim, the OTLP sink)."""
     sim_port, zmq_port = free_port_block(1), free_port_block(2)
     fleet = tmp / "fleet.yaml"
     sim = ChildProcess(
-        "kvgate sim", [*KVGATE, "sim", "--replicas", "1", "--port", str(sim_port), "--zmq-port", str(zmq_port), "--time-scale", "0",
+        "kvgate sim", [*KVGATE, "sim", "--replicas", "1", "--port", str(sim_port), "--zmq-port", str(zmq_port), "--time-scale", str(sim_time_scale),
          "--max-model-len", "200000", "--kv-blocks", "32768", "--write-config", str(fleet)],
         tmp / "sim.log",
     ).start()
@@ -396,7 +398,8 @@ def make_document(chars: int) -> str:
 async def main_async(args: argparse.Namespace) -> None:
     with_sglang = importlib.util.find_spec("sglang_router") is not None and not args.no_sglang
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        background, targets = start_targets(Path(tmp), with_sglang, args.compare_tree, args.traced, args.policy)
+        background, targets = start_targets(Path(tmp), with_sglang, args.compare_tree, args.traced, args.policy,
+                                            args.sim_time_scale)
         try:
             idle = await idle_cpu_ms_per_s(targets, IDLE_SECONDS)
             print("idle CPU ms/s: " + ", ".join(f"{name} {ms:.1f}" for name, ms in idle.items()))
@@ -495,6 +498,9 @@ def main() -> None:
                         help="also run kvgate from this source tree's .venv (e.g. a git worktree of an older commit)")
     parser.add_argument("--policy", action="append",
                         help="also run kvgate with this routing policy (repeatable), e.g. round_robin")
+    parser.add_argument("--sim-time-scale", type=float, default=0.0,
+                        help="the sim's --time-scale (default 0: it answers at once; 1: at the modelled engine's pace, "
+                             "a stream's tokens one by one)")
     parser.add_argument("--traced", action="store_true",
                         help="also run kvgate with tracing on, exporting every request's spans to a local OTLP sink")
     args = parser.parse_args()
