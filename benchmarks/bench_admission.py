@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import httpx
 import yaml
 
 from kvgate.loadgen.bench import KVGATE, free_port_block
-from kvgate.loadgen.procs import ChildProcess
+from kvgate.loadgen.procs import ChildProcess, interrupt_on_sigterm
 from kvgate.loadgen.runner import RequestRecord, RunConfig, run_workload
 from kvgate.loadgen.workloads import synthetic
 from kvgate.loadgen.workloads.request import WorkloadOptions
@@ -228,4 +229,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)  # stopped by kill or timeout: stop what it started
     sys.exit(asyncio.run(main()))

@@ -34,6 +34,7 @@ import asyncio
 import importlib.util
 import os
 import statistics
+import signal
 import sys
 import tempfile
 import time
@@ -43,7 +44,7 @@ from pathlib import Path
 import aiohttp
 
 from kvgate.loadgen.bench import KVGATE, apply_settings, free_port_block
-from kvgate.loadgen.procs import ChildProcess
+from kvgate.loadgen.procs import ChildProcess, interrupt_on_sigterm
 
 MODEL = "kvgate-sim"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -523,4 +524,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)  # stopped by kill or timeout: stop what it started
     main()

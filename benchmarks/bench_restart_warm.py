@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ import httpx
 import yaml
 
 from kvgate.loadgen.bench import KVGATE, free_port_block
-from kvgate.loadgen.procs import ChildProcess
+from kvgate.loadgen.procs import ChildProcess, interrupt_on_sigterm
 
 MODEL = "kvgate-sim"
 PEER_TOKEN = "bench-restart-peer-token"
@@ -169,4 +170,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)  # stopped by kill or timeout: stop what it started
     sys.exit(main())

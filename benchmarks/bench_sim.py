@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from kvgate.loadgen.bench import KVGATE, free_port_block
-from kvgate.loadgen.procs import ChildProcess
+from kvgate.loadgen.procs import ChildProcess, interrupt_on_sigterm
 
 
 async def drive(urls: list[str], concurrency: int, warmup_s: float, seconds: float, max_tokens: int) -> None:
@@ -78,4 +79,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)  # stopped by kill or timeout: stop what it started
     sys.exit(main())

@@ -41,7 +41,7 @@ from rich.console import Console
 
 from kvgate.loadgen.cli import add_workload_arguments, drive, load_workload, run_config
 from kvgate.loadgen.plots import write_plots
-from kvgate.loadgen.procs import ChildProcess
+from kvgate.loadgen.procs import ChildProcess, interrupt_on_sigterm
 from kvgate.loadgen.report import (
     CANDIDATE, Repeat, RepeatedComparison, compare, print_table, schedule_warning, summarize,
     write_repeated_results, write_results,
@@ -585,7 +585,7 @@ def run(args: argparse.Namespace) -> int:
                   f" working set {working_set:,} tokens{fleet_kv}; {args.replicas} replicas; runs: {', '.join(runs)}"
                   + (f"; {args.repeat} repeats, order rotated each repeat" if args.repeat > 1 else "")
                   + f"; output in {out_dir}")
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     repeats: list[Repeat] = []
     fleets: dict[str, list[str]] = {}
     try:
@@ -735,7 +735,3 @@ class RunCost:
 
 def _delta(before: float | None, after: float | None) -> float | None:
     return after - before if before is not None and after is not None else None
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt

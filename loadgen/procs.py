@@ -22,6 +22,12 @@ POLL_S = 0.05
 """How often :meth:`ChildProcess.wait_http` asks again."""
 
 
+def interrupt_on_sigterm(signum: int, frame: object) -> None:
+    """A SIGTERM handler that raises KeyboardInterrupt: a tool stopped by ``kill`` or ``timeout`` then unwinds as on
+    Ctrl-C, through the ``finally`` blocks that stop every process it started, instead of leaving them running."""
+    raise KeyboardInterrupt
+
+
 def answered_200(status: int) -> bool:
     return status == 200
 
