@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from array import array
@@ -239,7 +240,7 @@ sys.stdin.readline()  # the subscriber has joined
 for seq, payload in enumerate(frames):
     pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
     time.sleep(float(sys.argv[3]))
-sys.stdin.readline()
+time.sleep(600)  # until stopped: the subscriber reads what is queued
 """
 
 
@@ -252,8 +253,8 @@ def bench_live_subscription() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    path = f"/tmp/kvgate-bench-frames-{os.getpid()}"
-    with open(path, "wb") as out:
+    handle, path = tempfile.mkstemp(prefix="kvgate-bench-frames-")
+    with os.fdopen(handle, "wb") as out:
         out.write(msgspec.msgpack.encode(frames))
     publisher = subprocess.Popen(
         [sys.executable, "-c", PUBLISHER, f"tcp://127.0.0.1:{port}", path, str(LIVE_INTERVAL_S)],
@@ -281,9 +282,8 @@ def bench_live_subscription() -> None:
             return elapsed
 
         live_s = uvloop.run(receive())
-        publisher.stdin.write("done\n")
-        publisher.stdin.flush()
     finally:
+        publisher.kill()
         publisher.wait(timeout=30)
         os.unlink(path)
     print(f"live subscription: {live_s / LIVE_FRAMES * 1e6:.1f} µs CPU per frame received one per wake-up "
