@@ -71,8 +71,8 @@ class RequestRecord:
     gateway_ttft_ms: float | None = None
     """kvgate's own TTFT for the request (wall clock, from its arrival at the gateway), from its request log line."""
     upstream_ttft_ms: float | None = None
-    """The part of ``gateway_ttft_ms`` after kvgate dispatched the request to its replica (wall clock); the rest was
-    kvgate's: its queue, tokenizing, routing."""
+    """The part of ``gateway_ttft_ms`` after kvgate dispatched the request to the replica that answered (wall clock);
+    the rest was kvgate's (its queue, tokenizing, routing) and, for a request served in two legs, the first leg."""
     retry_after: str | None = None
     """A refusal's ``Retry-After`` header, when it carried one."""
     id_prefix: str = "loadgen"
