@@ -70,6 +70,11 @@ class Upstream:
     def status(self) -> int:
         return self.response.status
 
+    @property
+    def engine_ms(self) -> float:
+        """The engine's time on the request as the gateway sees it: from this attempt's dispatch to its first byte."""
+        return (self.first_byte_at - self.sent_at) * 1000.0
+
     def settle(self) -> None:
         """The answer is over: the replica served it, unless the engine refused the request (a 4xx), which says
         nothing about the replica."""

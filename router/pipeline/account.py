@@ -163,7 +163,7 @@ class Accounting:
             predicted_ttft_ms=None if predicted_ttft is None else round(predicted_ttft, 3),
             predicted_queue_ms=None if predicted_ttft is None else round(routed.queue_delay_ms(up.replica), 3),
             ttft_ms=round(ttft_ms, 3) if stream else None,
-            upstream_ttft_ms=round((up.first_byte_at - up.sent_at) * 1000.0, 3) if stream else None,
+            upstream_ttft_ms=round(up.engine_ms, 3) if stream else None,
             e2e_ms=round(e2e_ms, 3), status=status,
             attempts=up.attempts, stream=stream,
         )
@@ -207,8 +207,7 @@ def calibrate(routed: Routed, up: Upstream, usage: Usage | None, *, first_token:
         model = routing.cost_model
         need = need_tokens(prompt_tokens - cached_tokens, routed.request.max_tokens)
         work_ahead_ms = model.work_ahead_ms(view) + model.kv_wait_ms(view, need)
-    engine_ms = (up.first_byte_at - up.sent_at) * 1000.0
     if first_token:
-        calibrator.observe(prompt_tokens, cached_tokens, engine_ms, work_ahead_ms)
+        calibrator.observe(prompt_tokens, cached_tokens, up.engine_ms, work_ahead_ms)
     else:
-        calibrator.observe_bound(prompt_tokens, cached_tokens, engine_ms, work_ahead_ms)
+        calibrator.observe_bound(prompt_tokens, cached_tokens, up.engine_ms, work_ahead_ms)

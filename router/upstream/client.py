@@ -136,7 +136,7 @@ class EngineResponse:
             if self._complete:
                 return b""
             await self._wait()
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+        data = b"".join(self._chunks)  # one chunk is handed over as it is: joining one bytes object returns it
         self._chunks.clear()
         self._drained()
         return data
