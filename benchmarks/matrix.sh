@@ -6,6 +6,7 @@
 #   benchmarks/matrix.sh [OUT] [REPEATS] [WORKLOAD ...]   WORKLOAD = docs-tight docs-light trace synth turns agentic
 #                                                          shared unique azure (default all)
 #   POLICIES=cost,prefix_affinity benchmarks/matrix.sh ...  only these kvgate policies (the peers always run)
+#   BENCH_ARGS='--gateway-cpus 1' benchmarks/matrix.sh ...  more arguments for every bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-out/matrix}
@@ -15,7 +16,8 @@ KVGATE=${KVGATE:-.venv/bin/kvgate}
 mkdir -p "$OUT"
 source benchmarks/workloads.sh
 ROUTERS=(--policies "${POLICIES:-cost,prefix_affinity,least_loaded,round_robin}" --peer sglang --peer smg)
-COMMON=(--replicas 8 --repeat "$REPEATS" --no-progress "${ROUTERS[@]}")
+read -ra EXTRA <<<"${BENCH_ARGS:-}"
+COMMON=(--replicas 8 --repeat "$REPEATS" --no-progress "${ROUTERS[@]}" "${EXTRA[@]}")
 
 run() {  # run NAME ARGS...: skipped when OUT/NAME already has its results
   local name=$1; shift

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
 import shlex
 import signal
@@ -41,7 +42,7 @@ from rich.console import Console
 
 from kvgate.loadgen.cli import add_workload_arguments, drive, load_workload, run_config
 from kvgate.loadgen.plots import write_plots
-from kvgate.loadgen.procs import ChildProcess, interrupt_on_sigterm
+from kvgate.loadgen.procs import ChildProcess, interrupt_on_sigterm, parse_cpu_list, pin_threads
 from kvgate.loadgen.report import (
     CANDIDATE, Repeat, RepeatedComparison, compare, print_table, schedule_warning, summarize,
     write_repeated_results, write_results,
@@ -270,7 +271,8 @@ def gateway(
     cmd = [*KVGATE, "serve", "--config", str(config or fleet.config_path), "--host", "127.0.0.1", "--port", str(port),
            "--policy", policy, *shlex.split(args.serve_args)]
     url = f"http://127.0.0.1:{port}"
-    with running(ChildProcess(f"kvgate serve ({policy})", cmd, out_dir / "logs" / f"{label}-kvgate.log")) as gw:
+    with running(ChildProcess(f"kvgate serve ({policy})", cmd, out_dir / "logs" / f"{label}-kvgate.log",
+                              cpus=args.gateway_cpus)) as gw:
         try:
             gw.wait_http(url + "/ready", args.ready_timeout)
         except RuntimeError:
@@ -338,7 +340,8 @@ def cache_aware_gateway(
            "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), *peer_metrics_args(),
            *shlex.split(args.peer_args)]
     url = f"http://127.0.0.1:{port}"
-    with running(ChildProcess(f"{peer} router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
+    with running(ChildProcess(f"{peer} router", cmd, out_dir / "logs" / f"{label}-router.log",
+                              cpus=args.gateway_cpus)) as gw:
         gw.wait_http(url + "/health", args.ready_timeout)
         gw.url = url
         yield gw
@@ -367,7 +370,8 @@ def sglang_pd_gateway(args: argparse.Namespace, out_dir: Path, fleet: BenchFleet
     port = free_port_block(1)
     cmd = sglang_pd_command(fleet.config_path, "127.0.0.1", port, shlex.split(args.peer_args))
     url = f"http://127.0.0.1:{port}"
-    with running(ChildProcess("sglang router (PD)", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
+    with running(ChildProcess("sglang router (PD)", cmd, out_dir / "logs" / f"{label}-router.log",
+                              cpus=args.gateway_cpus)) as gw:
         gw.wait_http(url + "/health", args.ready_timeout)
         gw.url = url
         yield gw
@@ -386,7 +390,8 @@ def vllm_router_gateway(args: argparse.Namespace, out_dir: Path, fleet: BenchFle
         cmd += ["--decode", url]
     cmd += shlex.split(args.peer_args)
     url = f"http://127.0.0.1:{port}"
-    with running(ChildProcess("vllm-router", cmd, out_dir / "logs" / f"{label}-router.log")) as gw:
+    with running(ChildProcess("vllm-router", cmd, out_dir / "logs" / f"{label}-router.log",
+                              cpus=args.gateway_cpus)) as gw:
         gw.wait_http(url + "/health", args.ready_timeout)
         gw.url = url
         yield gw
@@ -531,6 +536,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="override a policy-file field for every kvgate run, e.g. replication.enabled=false "
                         "(repeatable; value parsed as YAML)")
     b.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for sim and gateway readiness")
+    b.add_argument("--gateway-cpus", type=_gateway_cpus, metavar="LIST",
+                   help="run every router (kvgate and the peers) on these CPUs only (e.g. 1, or 2-3) and the fleet "
+                        "and the load generator on the others, as where the gateway has its own host: a router's "
+                        "CPU then does not slow the engines it is measured on")
     b.add_argument("--repeat", type=_positive_int, default=1, metavar="N",
                    help="run every policy N times (fresh fleets, same workload, order rotated each repeat) and report "
                         "medians with min-max and wins per repeat (default 1)")
@@ -546,6 +555,21 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
     return value
+
+
+def _gateway_cpus(text: str) -> frozenset[int]:
+    """``--gateway-cpus``: a CPU list this process may use, leaving at least one of its CPUs to the rest."""
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    available = os.sched_getaffinity(0)
+    if not cpus <= available:
+        raise argparse.ArgumentTypeError(f"CPUs {sorted(cpus - available)} are not among this process's "
+                                         f"{sorted(available)}")
+    if not available - cpus:
+        raise argparse.ArgumentTypeError(f"{text} leaves no CPU for the fleet and the load generator")
+    return cpus
 
 
 def rotated(runs: list[str], k: int) -> list[str]:
@@ -586,6 +610,9 @@ def run(args: argparse.Namespace) -> int:
                   + (f"; {args.repeat} repeats, order rotated each repeat" if args.repeat > 1 else "")
                   + f"; output in {out_dir}")
     previous = signal.signal(signal.SIGTERM, interrupt_on_sigterm)
+    own_cpus = os.sched_getaffinity(0)
+    if args.gateway_cpus:
+        pin_threads(own_cpus - args.gateway_cpus)  # the fleets started from here inherit it
     repeats: list[Repeat] = []
     fleets: dict[str, list[str]] = {}
     try:
@@ -602,6 +629,8 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if args.gateway_cpus:
+            pin_threads(own_cpus)
     api = f", {args.api} API" if args.api != "chat" else ""
     title = f"kvgate bench: {args.workload}, {args.replicas} replicas, time scale {args.time_scale}{api}"
     meta = {
@@ -609,6 +638,7 @@ def run(args: argparse.Namespace) -> int:
         "replicas": args.replicas,
         "kv_blocks": args.kv_blocks, "working_set_tokens": working_set, "time_scale": args.time_scale, "speed": args.speed, "policies": runs,
         "gateways": args.gateways, "hints": args.hints, "send_to": args.send_to,
+        "gateway_cpus": sorted(args.gateway_cpus) if args.gateway_cpus else None,
         **({"targets": repeats[0].targets} if len(repeats) == 1 else {"repeats": len(repeats)}),
         "settings": {name: run_spec(args, name).settings for name in runs if name not in PEERS},
         "fleets": {name: run_spec(args, name).roles or "both" for name in runs},

@@ -28,6 +28,31 @@ def interrupt_on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """A CPU list as ``taskset -c`` and ``/proc/*/status`` write it (``1``, ``0,2``, ``2-3``); ValueError for
+    anything else, or an empty list."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (expected e.g. 1, 0,2 or 2-3)")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"not a CPU list: {text!r} ({part.strip()} runs backwards)")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+def pin_threads(cpus: frozenset[int] | set[int]) -> None:
+    """Let every thread of this process run only on ``cpus`` (an affinity is per thread; the ones started later
+    inherit it from their creator, as children do)."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 def answered_200(status: int) -> bool:
     return status == 200
 
@@ -48,16 +73,21 @@ class ChildProcess:
     url: str = ""
     """Where it serves, once ready (a gateway, an engine)."""
     proc: subprocess.Popen[bytes] | None = None
+    cpus: frozenset[int] | None = None
+    """The CPUs it may run on, set before it starts so its every thread and child inherits them (None: this
+    process's own)."""
 
     def start(self, *, append: bool = False) -> ChildProcess:
         log: IO[bytes] | None = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(self.log_path, "ab" if append else "wb")
+        cpus = self.cpus
         try:
             self.proc = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT if log is not None else None, cwd=self.cwd,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}, start_new_session=self.own_group,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
         finally:
             if log is not None:

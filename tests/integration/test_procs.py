@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+from kvgate.loadgen.procs import ChildProcess
 from tests.support import wait_until
 
 DEADLINE_S = 20.0
@@ -49,3 +50,17 @@ def test_a_tool_stopped_by_sigterm_stops_what_it_started() -> None:
         tool.wait(timeout=DEADLINE_S)
         if child_pid is not None and alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def test_a_child_runs_on_the_cpus_it_was_given() -> None:
+    one = frozenset([min(os.sched_getaffinity(0))])
+    child = ChildProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], None, cpus=one).start()
+    try:
+        assert os.sched_getaffinity(child.pid) == one
+    finally:
+        child.stop()
+    unpinned = ChildProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], None).start()
+    try:
+        assert os.sched_getaffinity(unpinned.pid) == os.sched_getaffinity(0)
+    finally:
+        unpinned.stop()
