@@ -158,6 +158,11 @@ class GatewayMetrics:
         self.decisions = LoopCounter(
             "kvgate_decisions", "Routing decisions by action and reason.", ["action", "reason"], registry=r
         )
+        self.routed_on_beginning = LoopCounter(
+            "kvgate_routed_on_prompt_beginning", "Requests routed on their prompt's beginning while the rest of it "
+            "was tokenized (a long prompt new to the gateway, no cached prefix reaching past that beginning).",
+            registry=r,
+        )
         self.ttft = LoopHistogram(
             "kvgate_ttft_seconds", "Time to first token (first streamed chunk; streaming requests only).",
             ["cache"], buckets=LATENCY_BUCKETS, registry=r,

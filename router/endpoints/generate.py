@@ -1,6 +1,10 @@
 """Generation: every API whose prompt kvgate routes (chat completions, completions, Anthropic Messages), as one
 flow: admit → parse → tokenize → queue → route → forward → relay → account. A refusal is answered in the API's
-own error shape."""
+own error shape.
+
+A long prompt new to the gateway is routed on its beginning while its rest is tokenized, when the beginning settles
+where every replica's cached prefix ends (:meth:`~kvgate.router.pipeline.route.RouteStage.route_lead`): its
+tokenizing is then off the time to its first token."""
 
 from __future__ import annotations
 
@@ -29,11 +33,19 @@ class Generate:
         ticket: Ticket | None = None
         try:
             admitted = await self.proxied.admit(request, api, admission)
-            prompt = await self.tokenize.tokenize(admitted.parsed, trace=admission.trace)
+            prompt = await self.tokenize.tokenize(admitted.parsed, trace=admission.trace, lead=True)
             ticket = await self.queue.wait(request, prompt, admitted.parsed, admission)
             if ticket is None:
                 return self.proxied.left_waiting(admission, api)
-            routed = self.route.route(prompt, admission, admitted.parsed.stream)
+            rest = prompt.tokenized.rest
+            routed = None
+            if rest is not None:
+                if not rest.done():
+                    routed = self.route.route_lead(prompt, admission, admitted.parsed.stream)
+                if routed is None:
+                    prompt = await self.tokenize.whole(prompt, api.prompt_param)
+            if routed is None:
+                routed = self.route.route(prompt, admission, admitted.parsed.stream)
         except BaseException as err:
             if ticket is not None:
                 ticket.release()

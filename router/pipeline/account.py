@@ -98,7 +98,13 @@ class Accounting:
     ) -> None:
         """An answer relayed in full (``result`` for a stream, None for an answer read whole), in ``api``'s form
         (None: a body kvgate does not read, such as embeddings'); ``then`` is told of it once it is accounted, and
-        the admission ``ticket`` given back whatever happens."""
+        the admission ``ticket`` given back whatever happens. A request routed on its prompt's beginning is
+        accounted once its whole prompt is tokenized (:attr:`Routed.completed`): its counts are the whole prompt's."""
+        completed = routed.completed
+        if completed is not None and not completed.done():
+            completed.add_done_callback(
+                lambda _: self.answered(routed, admission, api, up, result, then=then, ticket=ticket))
+            return
         try:
             if result is None:
                 usage = api.usage_of_body(up.body) if up.status == 200 and api is not None else None

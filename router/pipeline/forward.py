@@ -85,6 +85,13 @@ class Forwarder:
         return "vllm" if replica is None else replica.config.engine
 
     def dispatched(self, routed: Routed, replica: str) -> None:
-        """Sent to ``replica``: its blocks predicted there, the session remembered, the prefix's heat counted."""
+        """Sent to ``replica``: its blocks predicted there, the session remembered, the prefix's heat counted. A
+        request routed on its prompt's beginning has that beginning's blocks predicted now, and the rest once the
+        whole prompt is tokenized."""
+        completed = routed.completed
+        if completed is not None and not completed.done():
+            self.predictions.predict(routed, replica)
+            completed.add_done_callback(lambda _: self.dispatched(routed, replica))
+            return
         if self.predictions.dispatched(routed, replica):
             self.replication.record(routed)

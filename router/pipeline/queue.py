@@ -41,7 +41,7 @@ class QueueStage:
         if config.forward_priority:
             with_priority(parsed, band)
         entered = self.gate.enter(prompt.base_model, prompt.candidates, prompt.routing, admission.tenant, band,
-                                  len(prompt.tokenized.token_ids), len(parsed.raw))
+                                  prompt.tokenized.token_count, len(parsed.raw))
         if isinstance(entered, Ticket):
             ticket: Ticket | None = entered
         else:

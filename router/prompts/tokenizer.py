@@ -24,8 +24,10 @@ with a 400 in its API's error shape.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 import zlib
@@ -86,6 +88,18 @@ class TokenizedPrompt:
     shared_tokens: int = 0
     """How many of ``token_ids`` are the prefix the client marked as one every session sends again
     (:attr:`~kvgate.router.prompts.prompt.ChatPrompt.shared_prefix_end`); 0 when it marked none."""
+    rest: asyncio.Future[TokenizedPrompt] | None = None
+    """None when ``token_ids`` are the whole prompt. Otherwise they are its exact beginning (``lead``,
+    :meth:`PromptTokenizer.tokenize`), and this resolves to the whole prompt tokenized, encoded on a worker thread
+    meanwhile (never an exception: a failure resolves to the beginning, flagged approximate)."""
+    estimated_tokens: int = 0
+    """While ``rest`` is pending: the whole prompt's tokens, its beginning's plus the rest's characters at the
+    beginning's characters per token."""
+
+    @property
+    def token_count(self) -> int:
+        """The prompt's tokens: exact, or estimated while the rest of it is being tokenized."""
+        return len(self.token_ids) if self.rest is None else self.estimated_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +169,17 @@ class _Prepared:
     failed: Exception | None = None
     """The local tokenizer failed unexpectedly (never a client mistake): the request falls back."""
     shared_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Lead:
+    """A prompt's pieces with the cached ids of its text pieces (None: not cached), the ids of the uncached ones
+    encoded on the loop (the first ones), and the keys of the uncached ones left to a worker."""
+
+    pieces: list[Piece]
+    found: list[array[int] | None]
+    encoded: list[array[int]]
+    missing: list[tuple[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,14 +268,22 @@ class PromptTokenizer:
 
     async def tokenize(
         self, model: str, prompt_of: Callable[[], Prompt], *, namespace: str | None = None, body_bytes: int = 0,
-        max_model_len: int | None = None,
+        max_model_len: int | None = None, lead: bool = False,
     ) -> TokenizedPrompt:
         """The token ids of the prompt ``prompt_of()`` makes of a request's body (its API's parser, which raises
         :class:`PromptError` for a bad one), as the engine serving ``model`` will compute them. Cached pieces and
         request templates are shared only between requests of the same ``namespace`` (the cache salt sent upstream,
         per tenant). A body of more than :data:`INLINE_BODY_BYTES` (``body_bytes``) is parsed, rendered and
         tokenized on a worker thread. A prompt whose characters alone prove it longer than ``max_model_len`` tokens
-        is refused before it is tokenized."""
+        is refused before it is tokenized.
+
+        With ``lead``, a single prompt whose uncached text is too long to encode on the loop comes back as soon as
+        its beginning is known: the ids of its pieces up to the first one still uncached once
+        :data:`INLINE_PROMPT_CHARS` of them were encoded here, with the rest encoded on a worker thread meanwhile
+        (:attr:`TokenizedPrompt.rest`). A prompt whose cached prefix ends inside that beginning can be routed at
+        once: the rest cannot change where any replica's match ends. Not a prompt that may be longer than
+        ``max_model_len``: its exact count is known before it is routed, so it is refused as it would be without
+        ``lead``."""
         local = self._models.get(model)
         scope = cache_scope(model, namespace)
         whole = body_bytes > INLINE_BODY_BYTES
@@ -271,9 +304,15 @@ class PromptTokenizer:
                 else:
                     assert prepared.text is not None
                     text = prepared.text
-                ids = await self._text_ids(local, prompt, text, scope, cpu)
-                shared = self._shared_tokens(local, prompt, text, ids, scope)
-                return self._done(ids, "local", cpu, count, shared)
+                found = await self._text_ids(local, prompt, text, scope, cpu, lead=lead and count == 1)
+                if isinstance(found, _Lead):
+                    if max_model_len is None or _at_most(local, prompt, found) <= max_model_len:
+                        return self._lead(local, prompt, text, scope, found, cpu)
+                    # it may be too long: the exact count decides, before anything is routed
+                    later = await cpu.off_loop(self._pool, self._encode_pieces, local, found.missing)
+                    found = self._join(local, prompt, found.pieces, found.found, [*found.encoded, *later])
+                shared = self._shared_tokens(local, prompt, text, found, scope)
+                return self._done(found, "local", cpu, count, shared)
             except PromptError:
                 raise
             except Exception as err:  # a bug or a tokenizer failure must not fail the request: route on a fallback
@@ -369,19 +408,89 @@ class PromptTokenizer:
 
     async def _text_ids(
         self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, scope: str, cpu: _CpuTime,
-    ) -> array[int]:
+        lead: bool = False,
+    ) -> array[int] | _Lead:
         """A small body's prompt text to ids: cut into pieces and cached pieces taken on the loop (a look-up each),
         then the pieces the cache lacks encoded on the loop when they are short, else on a worker thread
-        (``INLINE_PROMPT_CHARS``). Encoding is the only costly step, so a warm prompt never pays the hop. Text
-        rendered by a request's template can be long whatever the body: then all of it goes to the worker."""
+        (``INLINE_PROMPT_CHARS``), or with ``lead`` the first of them here and the others left to :meth:`_lead`.
+        Encoding is the only costly step, so a warm prompt never pays the hop. Text rendered by a request's template
+        can be long whatever the body: then all of it goes to the worker."""
         if len(text) > INLINE_BODY_BYTES:
             return await cpu.off_loop(self._pool, self._ids_of_text, local, prompt, text, scope)
         pieces, found, missing = self._look_up(local, text, scope)
         if sum(len(key[1]) for key in missing) <= INLINE_PROMPT_CHARS:
             encoded = self._encode_pieces(local, missing)
+        elif lead:
+            # Pieces away from the end of long text are about INLINE_PROMPT_CHARS long: the first is encoded here
+            # even when a little longer (a beginning needs at least one), the others within the budget.
+            budget, now = INLINE_PROMPT_CHARS, 0
+            while now < len(missing) and len(missing[now][1]) <= (budget if now else 2 * INLINE_PROMPT_CHARS):
+                budget -= len(missing[now][1])
+                now += 1
+            return _Lead(pieces, found, self._encode_pieces(local, missing[:now]), missing[now:])
         else:
             encoded = await cpu.off_loop(self._pool, self._encode_pieces, local, missing)
         return self._join(local, prompt, pieces, found, encoded)
+
+    def _lead(
+        self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, scope: str, lead: _Lead,
+        cpu: _CpuTime,
+    ) -> TokenizedPrompt:
+        """The prompt's beginning (its pieces up to the first one not encoded yet), with the rest of it encoded on a
+        worker thread (:attr:`TokenizedPrompt.rest`)."""
+        prefix = local.tokenizer.prefix_ids if prompt.add_special_tokens else ()
+        ids = array("I", prefix)
+        fresh = iter(lead.encoded)
+        texts = iter(lead.found)
+        lead_chars = rest_chars = rest_tokens = 0
+        cut = False
+        for piece in lead.pieces:
+            if isinstance(piece, int):
+                if cut:
+                    rest_tokens += 1
+                else:
+                    ids.append(piece)
+                continue
+            piece_ids = next(texts)
+            if piece_ids is None and not cut:
+                piece_ids = next(fresh, None)
+                cut = piece_ids is None
+            if cut:
+                rest_chars += len(piece)
+            else:
+                assert piece_ids is not None
+                ids.extend(piece_ids)
+                lead_chars += len(piece)
+        text_tokens = len(ids) - len(prefix)
+        chars_per_token = lead_chars / text_tokens if text_tokens >= 32 else APPROXIMATE_BYTES_PER_TOKEN
+        suffix = len(local.tokenizer.suffix_ids) if prompt.add_special_tokens else 0
+        estimated = len(ids) + rest_tokens + math.ceil(rest_chars / chars_per_token) + suffix
+        cpu_s = cpu.stop()
+        self._by_source["local"] += 1
+        self._cpu_seconds += cpu_s
+        rest = asyncio.ensure_future(self._rest(local, prompt, text, scope, lead, ids, cpu_s))
+        return TokenizedPrompt(ids, False, "local", cpu_s * 1000.0, rest=rest, estimated_tokens=estimated)
+
+    async def _rest(
+        self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, scope: str, lead: _Lead,
+        lead_ids: array[int], lead_cpu_s: float,
+    ) -> TokenizedPrompt:
+        """The whole prompt whose beginning :meth:`_lead` gave: the rest of its pieces encoded on a worker thread,
+        then all of them joined. A failure (never a client's mistake: the prompt was checked already) is logged and
+        resolves to the beginning, flagged approximate."""
+        cpu = _CpuTime()
+        try:
+            later = await cpu.off_loop(self._pool, self._encode_pieces, local, lead.missing)
+            ids = self._join(local, prompt, lead.pieces, lead.found, [*lead.encoded, *later])
+            shared = self._shared_tokens(local, prompt, text, ids, scope)
+            whole = TokenizedPrompt(ids, False, "local", 0.0, shared_tokens=shared)
+        except Exception:  # noqa: BLE001 - a tokenizer failure must not fail the request, which may be on its way
+            log.exception("local tokenization of a prompt's rest failed")
+            self._local_errors += 1
+            whole = TokenizedPrompt(lead_ids, True, "approximate", 0.0)
+        cpu_s = cpu.stop()
+        self._cpu_seconds += cpu_s
+        return dataclasses.replace(whole, cpu_ms=(lead_cpu_s + cpu_s) * 1000.0)
 
     def _ids_of_text(
         self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, scope: str
@@ -489,6 +598,17 @@ def _load_models(models: Sequence[ModelConfig], chunk_chars: int) -> dict[str, _
             raise ConfigError(f"models.{model.name}.tokenizer: cannot load {model.tokenizer!r}: {err}") from err
         loaded[model.name] = _LocalModel(model.name, tokenizer, PromptSplitter(tokenizer.tokenizer, chunk_chars))
     return loaded
+
+
+def _at_most(local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, lead: _Lead) -> int:
+    """The most tokens the prompt of ``lead`` can have: its known ids, and for each piece not encoded yet one per
+    UTF-8 byte (a token covers at least one; byte-level BPE's and byte fallback's cover exactly one) plus one (a
+    tokenizer's prefix marker)."""
+    special = len(local.tokenizer.prefix_ids) + len(local.tokenizer.suffix_ids) if prompt.add_special_tokens else 0
+    known = sum(len(ids) for ids in lead.found if ids is not None) + sum(len(ids) for ids in lead.encoded)
+    added = sum(1 for piece in lead.pieces if isinstance(piece, int))
+    unknown = sum(len(key[1].encode("utf-8", "surrogatepass")) + 1 for key in lead.missing)
+    return special + known + added + unknown
 
 
 def _check_token_bound(local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, max_model_len: int | None) -> None:

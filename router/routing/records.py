@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,6 +55,11 @@ class Routed:
     blocks predicted where it goes, and its counts compared with the engine's."""
     prefills: bool = True
     """Whether the engine prefills the prompt (counting its tokens does not): only then are its blocks predicted."""
+    completed: asyncio.Future[None] | None = None
+    """For a request routed on its prompt's beginning
+    (:meth:`~kvgate.router.pipeline.route.RouteStage.route_lead`), done once its ``tokenized``, ``keys_by_block_size``
+    and ``request.prompt_tokens`` are the whole prompt's: what uses them after the dispatch (predictions, accounting)
+    waits for it. None: they are already."""
 
     def keys_for(self, replica: str) -> Sequence[int]:
         """The prompt's block keys as ``replica`` hashes them (its block size)."""

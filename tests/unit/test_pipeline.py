@@ -1,10 +1,12 @@
-"""The request path's stages alone: admit, parse, and the mapping of routing errors (tokenize, route)."""
+"""The request path's stages alone: admit, parse, the mapping of routing errors (tokenize, route), and when a
+prompt's beginning settles its route."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from kvgate.cache_index.match import PrefixMatch
 from kvgate.policies.base import NoHealthyReplica
 from kvgate.router.apis.openai import COMPLETIONS
 from kvgate.router.core.config import TenantsConfig
@@ -13,6 +15,7 @@ from kvgate.router.core.tenants import TenantResolver
 from kvgate.router.pipeline.admit import Admission, ClientHeaders, resolve_tenant, upstream_headers
 from kvgate.router.pipeline.errors import routing_errors
 from kvgate.router.pipeline.parse import parse, salt_for_tenant
+from kvgate.router.pipeline.route import settled
 from kvgate.router.prompts.tokenizer import PromptError
 from kvgate.router.core.http import HttpRequest
 
@@ -95,3 +98,15 @@ def test_routing_errors_are_answered_as_the_openai_api_does() -> None:
         with routing_errors():
             raise NoHealthyReplica("m")
     assert (no_replica.value.status, no_replica.value.code) == (503, "no_replica")
+
+
+def test_a_prompt_beginning_settles_the_match_only_when_every_replica_s_ends_inside_it() -> None:
+    keys = [11, 12, 13, 14]  # a beginning of 4 full blocks of 16 tokens
+    assert settled(keys, {}, 16, {})  # held nowhere
+    assert settled(keys, {"r0": PrefixMatch(gpu=48), "r1": PrefixMatch(predicted=16)}, 16, {})
+    assert not settled(keys, {"r0": PrefixMatch(gpu=64)}, 16, {})  # it may run on into the rest
+    assert not settled(keys, {"r0": PrefixMatch(gpu=32, cpu=32)}, 16, {})
+    assert not settled([], {}, 16, {})  # not one full block: nothing is known
+    # r0's match ends where another prompt's beginning ended, routed on while its rest is tokenized
+    assert not settled(keys, {"r0": PrefixMatch(predicted=32)}, 16, {(16, 12): 1})
+    assert settled(keys, {"r0": PrefixMatch(predicted=32)}, 16, {(8, 12): 1, (16, 13): 1})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import threading
 from array import array
 from pathlib import Path
 from typing import Any
@@ -366,3 +367,75 @@ async def test_a_marked_system_prompt_is_the_shared_prefix_every_session_starts_
     assert system in text and "Fix" not in text
     unmarked = claude_body(system, "Fix the failing test in parser.py", marked=False)
     assert (await prompts.tokenize(MODEL, functools.partial(parse_messages, unmarked))).shared_tokens == 0
+
+
+async def test_a_long_new_prompt_comes_back_as_its_exact_beginning_then_whole(
+    prompts: PromptTokenizer, reference: ModelTokenizer
+) -> None:
+    """With ``lead``, a prompt with more uncached text than the loop encodes comes back as the ids of its first
+    pieces (a prefix of the whole prompt's ids), and its rest resolves to exactly what a plain tokenize gives."""
+    rng = random.Random(11)
+    for endpoint in ("completions", "chat"):
+        for _ in range(5):
+            document = "".join(random_text(rng, 30, specials=False) + rng.choice(["word\n", ". ", "\n"])
+                               for _ in range(900))
+            body: dict[str, Any] = (
+                {"prompt": document} if endpoint == "completions"
+                else {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": document}]}
+            )
+            lead = await tokenize_body(prompts, MODEL, endpoint, body, namespace=f"lead-{rng.random()}", lead=True)
+            expected = (reference.encode(document) if endpoint == "completions"
+                        else reference.encode_chat(body["messages"]))
+            assert lead.rest is not None
+            assert 0 < len(lead.token_ids) < len(expected)
+            assert lead.token_ids.tolist() == expected[: len(lead.token_ids)]
+            assert abs(lead.token_count - len(expected)) <= 0.25 * len(expected)
+            whole = await lead.rest
+            assert whole.rest is None and not whole.approximate and whole.source == "local"
+            assert whole.token_ids.tolist() == expected
+            assert whole.token_count == len(expected)
+            assert whole.cpu_ms >= lead.cpu_ms
+
+
+async def test_a_prompt_the_loop_can_encode_comes_back_whole(prompts: PromptTokenizer) -> None:
+    short = {"prompt": " ".join(f"short {i}." for i in range(100))}
+    assert (await tokenize_body(prompts, MODEL, "completions", short, lead=True)).rest is None
+    document = {"prompt": " ".join(f"cached document {i}." for i in range(1000))}
+    await tokenize_body(prompts, MODEL, "completions", document)
+    cold = await tokenize_body(prompts, MODEL, "completions", document, namespace="cold", lead=True)
+    assert cold.rest is not None  # as long a prompt, in a namespace where none of it is cached
+    await cold.rest
+    warm = await tokenize_body(prompts, MODEL, "completions", document, lead=True)  # every piece cached now
+    assert warm.rest is None and warm.token_count == len(warm.token_ids)
+
+
+async def test_a_failing_rest_resolves_to_the_beginning_flagged_approximate(
+    prompts: PromptTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    document = {"prompt": " ".join(f"failing document {i}." for i in range(1000))}
+    original = PromptTokenizer._encode_pieces
+
+    def fail_on_the_worker(self: PromptTokenizer, local: Any, keys: list[tuple[str, str]]) -> list[array[int]]:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("tokenizer bug")
+        return original(self, local, keys)
+
+    monkeypatch.setattr(PromptTokenizer, "_encode_pieces", fail_on_the_worker)
+    lead = await tokenize_body(prompts, MODEL, "completions", document, namespace="failing", lead=True)
+    assert lead.rest is not None
+    whole = await lead.rest
+    assert whole.approximate and whole.source == "approximate"
+    assert whole.token_ids.tolist() == lead.token_ids.tolist()
+
+
+async def test_a_prompt_that_may_be_too_long_is_counted_whole_before_it_is_routed(prompts: PromptTokenizer) -> None:
+    document = {"prompt": " ".join(f"bounded document {i}." for i in range(1000))}
+    exact = len((await tokenize_body(prompts, MODEL, "completions", document, namespace="exact")).token_ids)
+    # its bytes bound its tokens far above the exact count: a limit between the two leaves no doubt only once counted
+    tight = await tokenize_body(prompts, MODEL, "completions", document, namespace="tight", lead=True,
+                                max_model_len=exact + 10)
+    assert tight.rest is None and len(tight.token_ids) == exact
+    roomy = await tokenize_body(prompts, MODEL, "completions", document, namespace="roomy", lead=True,
+                                max_model_len=100_000)
+    assert roomy.rest is not None
+    assert len((await roomy.rest).token_ids) == exact
