@@ -148,6 +148,11 @@ class GatewayMetrics:
             "replica and cause (timeout: no first byte within the deadline; connect; disconnect; status_5xx/429).",
             ["replica", "cause"], registry=r,
         )
+        self.waits_past_deadline = LoopCounter(
+            "kvgate_upstream_waits_past_deadline", "Upstream attempts answered after their first-byte deadline, "
+            "which was put off because the replica kept answering other requests meanwhile (a busy queue, not a "
+            "fault).", ["replica"], registry=r,
+        )
         self.stream_errors = LoopCounter(
             "kvgate_stream_errors", "Streams ended with an error event after the first byte reached the client.",
             registry=r,

@@ -4,8 +4,10 @@ replica told to its breaker.
 
 Retry rule: an attempt may be retried on the next replica only while nothing has reached the client — connection
 refused or reset, no response headers (or, when streaming, no first output) within the attempt's first-byte
-deadline, or a 5xx/429 answer. A non-streaming body is read whole before anything is sent, so it is retryable until
-it is complete. A replica that stopped taking requests since the plan was made is skipped.
+deadline (put off while the replica keeps answering other requests: the request is queued there, not lost;
+:func:`~kvgate.router.upstream.proxy.while_working`), or a 5xx/429 answer. A non-streaming body is read whole
+before anything is sent, so it is retryable until it is complete. A replica that stopped taking requests since the
+plan was made is skipped.
 
 Blame rule: a refused connection counts against the replica's breaker at once (nothing the client sent can cause
 it). A timeout, a reset or a 5xx may be the request's own doing (a prompt that crashes or stalls the engine, fields
@@ -120,7 +122,8 @@ class Attempts:
                 deadline_s = fwd.deadlines_s.get(name, deadline_s)
             sent_at = time.monotonic()
             try:
-                response, body, first_byte_at = await self.proxy.attempt(replica.url + fwd.path, fwd, deadline_s)
+                response, body, first_byte_at = await self.proxy.attempt(
+                    replica.url + fwd.path, fwd, deadline_s, lambda: replica.progressed_at)
             except AttemptFailed as failed:
                 replica_fault = failed.cause == "connect"
                 ticket.finish(False if replica_fault else None)
@@ -135,6 +138,9 @@ class Attempts:
                 ticket.finish(None)
                 raise
             ticket.first_token()
+            replica.progressed_at = first_byte_at
+            if first_byte_at - sent_at > deadline_s:
+                self.metrics.waits_past_deadline.labels(name).inc()
             if response.status < 400:
                 for failed_ticket in unblamed:
                     failed_ticket.blame()

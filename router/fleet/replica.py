@@ -46,6 +46,10 @@ class Replica:
         """
         self.engine_finishes = DecayedRate(ARRIVAL_RATE_HALF_LIFE_S, unbiased=True)
         """Requests the engine finished lately, whoever sent them (its scraped counter, differenced)."""
+        self.progressed_at = float("-inf")
+        """Monotonic time the replica last showed it is working: a first output or a served request of this router's,
+        or its engine's finished counter moving at a scrape (anyone's requests). A request waiting there past its
+        first-byte deadline is left waiting while this moves (:func:`kvgate.router.upstream.proxy.while_working`)."""
         self.scraped: ScrapedLoad | None = None
         self.engine_started_at: float | None = None
         """The engine process's start time as last scraped (None if it does not export one)."""
@@ -93,6 +97,7 @@ class Replica:
             if finished >= 0:
                 if finished:
                     self.engine_finishes.add(load.at, finished)
+                    self.progressed_at = max(self.progressed_at, load.at)
                 if completed:
                     self.completions.add(load.at, completed)
         if load.started_at is None:

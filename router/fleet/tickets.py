@@ -3,6 +3,7 @@ of a gateway's dispatched work that peer gateways exchange (:mod:`kvgate.router.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 from kvgate.router.fleet.replica import Replica
@@ -68,6 +69,7 @@ class LoadTicket:
         self.replica.completed += 1
         breaker = self.replica.breaker
         if ok:
+            self.replica.progressed_at = time.monotonic()
             breaker.record_success()
         elif ok is None:
             breaker.record_inconclusive()

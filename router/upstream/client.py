@@ -89,7 +89,7 @@ class EngineResponse:
     the request's total deadline passed."""
 
     __slots__ = ("status", "headers", "_connection", "_chunks", "_buffered", "_complete", "_error", "_waiter",
-                 "_deadline", "_reads_until_close", "_sink", "_on_end", "_piped")
+                 "_deadline", "_extend", "_reads_until_close", "_sink", "_on_end", "_piped")
 
     def __init__(self, connection: _Connection) -> None:
         self.status = 0
@@ -103,6 +103,8 @@ class EngineResponse:
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._extend: Callable[[], float | None] | None = None
+        """Asked when the deadline passes: seconds more to wait, or None to fail (:meth:`set_timeout`)."""
         self._reads_until_close = False
         self._sink: Callable[[bytes], None] | None = None
         """Where chunks go as they arrive once the answer is piped (:meth:`pipe`)."""
@@ -284,15 +286,23 @@ class EngineResponse:
         if self._connection is not None:
             self._connection.resume()
 
-    def set_timeout(self, timeout_s: float | None) -> None:
+    def set_timeout(self, timeout_s: float | None, extend: Callable[[], float | None] | None = None) -> None:
         """From now, the rest of the answer must arrive within ``timeout_s`` (None: no deadline): past it, reads raise
-        :class:`TimeoutError` and the connection is closed. Replaces the deadline the request set."""
+        :class:`TimeoutError` and the connection is closed. ``extend``, when given, is asked as the deadline passes
+        and may put it off by the seconds it returns (None: the deadline stands). Replaces the deadline the request
+        set, and its extension."""
         self._cancel_deadline()
+        self._extend = extend
         if timeout_s is not None and not self._complete and self._error is None:
             self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._deadline_passed)
 
     def _deadline_passed(self) -> None:
         self._deadline = None
+        if self._extend is not None:
+            more_s = self._extend()
+            if more_s is not None and more_s > 0:
+                self._deadline = asyncio.get_running_loop().call_later(more_s, self._deadline_passed)
+                return
         connection = self._connection
         self._fail(TimeoutError("the engine did not answer in time"))
         if connection is not None:
@@ -588,11 +598,12 @@ class EngineClient:
     async def request(
         self, method: str, url: str, headers: Mapping[str, str] | None = None, body: bytes = b"", *,
         connect_timeout_s: float, timeout_s: float | None = None, on_sent: Callable[[], None] | None = None,
+        extend: Callable[[], float | None] | None = None,
     ) -> EngineResponse:
         """Send a request and return its answer once its status and headers have arrived (its body follows).
         ``timeout_s`` bounds the exchange, connecting and the body included, until the caller sets another
         (:meth:`EngineResponse.set_timeout`): past it, this or a read raises :class:`TimeoutError` and the connection
-        is closed. Raises :class:`UpstreamConnectError`, :class:`UpstreamDisconnected`, or :class:`ValueError` for a
+        is closed, unless ``extend`` puts it off once the request is sent (a connection waited for is not). Raises :class:`UpstreamConnectError`, :class:`UpstreamDisconnected`, or :class:`ValueError` for a
         URL or header that cannot be sent. ``on_sent`` is called once the request is handed to its connection,
         before its answer is awaited (what the request leaves behind is recorded while the engine works).
 
@@ -611,7 +622,7 @@ class EngineClient:
             connection = await pool.acquire(connect_timeout_s, deadline, fresh=fresh)
             response = EngineResponse(connection)
             if deadline is not None:
-                response.set_timeout(max(0.0, deadline - loop.time()))
+                response.set_timeout(max(0.0, deadline - loop.time()), extend)
             connection.send(head, body, response)
             if on_sent is not None:
                 on_sent()

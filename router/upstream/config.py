@@ -43,12 +43,15 @@ class ProxyConfig(Section):
     first_byte_timeout_s: float = Field(60.0, gt=0)
     """Cap on the first-byte deadline: the longest an attempt waits for the engine's first token (streaming) or its
     whole answer (not streaming) before it is abandoned, counted against the replica's breaker and retried elsewhere
-    (when nothing reached the client yet). Also the deadline when there is no prediction (embeddings, warm-ups)."""
+    (when nothing reached the client yet), however busy the replica. Also the deadline when there is no prediction
+    (embeddings, warm-ups)."""
     first_byte_floor_s: float = Field(10.0, gt=0)
     """Least first-byte deadline of a routed request: a short prompt's predicted TTFT is milliseconds, and a busy
     engine's real TTFT can be many times its prediction (queues behind other gateways, preemption) without it being
-    broken. A deadline missed by a healthy replica duplicates the request's prefill elsewhere and counts toward
-    ejecting it, so keep this well above the fleet's p99 TTFT."""
+    broken. A deadline missed while the replica keeps answering other requests (a first output, a served request, its
+    finished counter moving) is put off by another deadline, up to first_byte_timeout_s: the request is queued
+    there, and leaving would start its prefill over elsewhere. A replica that answers nothing in a deadline's time
+    loses the request to the next one."""
     first_byte_ttft_multiplier: float = Field(10.0, ge=1)
     """The first-byte deadline of a routed request is this many times the cost model's predicted TTFT on the replica
     tried (queue delay included), at least first_byte_floor_s, at most first_byte_timeout_s: a replica that accepts

@@ -84,21 +84,30 @@ class Proxy:
         self.config = config
 
     async def attempt(
-        self, url: str, fwd: Forward, first_byte_deadline_s: float
+        self, url: str, fwd: Forward, first_byte_deadline_s: float, progressed_at: Callable[[], float] | None = None
     ) -> tuple[EngineResponse, bytes, float]:
         """Send ``fwd`` to ``url``: the response, its first output (streaming) or whole body, and the monotonic time
         that arrived. Raises :class:`AttemptFailed` for a refused or lost connection, no first byte within
-        ``first_byte_deadline_s``, or a retryable status (5xx, 429)."""
+        ``first_byte_deadline_s``, or a retryable status (5xx, 429).
+
+        ``progressed_at``: when the replica last showed it is working (an answer's first output, a request served,
+        its engine's finished counter moving). While it keeps doing so, a missed first-byte deadline is put off by
+        another ``first_byte_deadline_s``, up to ``proxy.first_byte_timeout_s`` in all (:func:`while_working`): the
+        request waits in a busy engine's queue, and leaving it would give up its place there and start its prefill
+        over elsewhere."""
         if fwd.trace is not None:
-            return await self._traced_attempt(url, fwd, first_byte_deadline_s)
+            return await self._traced_attempt(url, fwd, first_byte_deadline_s, progressed_at)
         cfg = self.config
         response: EngineResponse | None = None
         sent = time.monotonic()
+        extend = None
+        if progressed_at is not None:
+            extend = while_working(progressed_at, sent, first_byte_deadline_s, cfg.first_byte_timeout_s)
         try:
             # One deadline on the response: the first byte's (connecting included), then the whole answer's.
             response = await self.client.request(fwd.method, url, fwd.headers, fwd.body,
                                                  connect_timeout_s=cfg.connect_timeout_s,
-                                                 timeout_s=first_byte_deadline_s, on_sent=fwd.on_sent)
+                                                 timeout_s=first_byte_deadline_s, on_sent=fwd.on_sent, extend=extend)
             if response.status in RETRYABLE_STATUS:
                 body = await response.read(cfg.max_answer_bytes)
                 raise AttemptFailed(
@@ -138,7 +147,7 @@ class Proxy:
             raise
 
     async def _traced_attempt(
-        self, url: str, fwd: Forward, first_byte_deadline_s: float
+        self, url: str, fwd: Forward, first_byte_deadline_s: float, progressed_at: Callable[[], float] | None
     ) -> tuple[EngineResponse, bytes, float]:
         """The attempt in its own span, told how it went: the request carries the span's trace context (and no
         trace of its own, so it is sent as an untraced one)."""
@@ -146,7 +155,7 @@ class Proxy:
         span = fwd.trace.attempt(url, fwd.method)
         untraced = dataclasses.replace(fwd, headers=span.headers(fwd.headers), trace=None)
         try:
-            response, body, at = await self.attempt(url, untraced, first_byte_deadline_s)
+            response, body, at = await self.attempt(url, untraced, first_byte_deadline_s, progressed_at)
         except AttemptFailed as failed:
             span.failed(failed.cause, failed.status)
             raise
@@ -155,6 +164,24 @@ class Proxy:
             raise
         span.answered(response.status, streaming=fwd.stream and response.status == 200)
         return response, body, at
+
+
+def while_working(
+    progressed_at: Callable[[], float], sent: float, window_s: float, cap_s: float
+) -> Callable[[], float | None]:
+    """An attempt's deadline extension (:meth:`EngineResponse.set_timeout`): when its deadline passes, another
+    ``window_s`` if the replica showed progress (``progressed_at``) within the window that just ended, none past
+    ``cap_s`` from ``sent``. A hung engine answers nothing, so its attempts still end at their first deadline; a
+    busy one answers others' requests while this one waits its turn."""
+
+    def extend() -> float | None:
+        now = time.monotonic()
+        left_s = sent + cap_s - now
+        if left_s <= 0 or progressed_at() <= now - window_s:
+            return None
+        return min(window_s, left_s)
+
+    return extend
 
 
 def first_byte_deadline_s(

@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from kvgate.router.pipeline.relay import RelayStream, StreamResult
 from kvgate.router.routing.transfers import first_leg_body, prefill_for_transfer
 from kvgate.router.upstream.config import BreakerConfig, HealthConfig, ProxyConfig, ScrapeConfig
 from kvgate.router.upstream.client import EngineClient
-from kvgate.router.upstream.proxy import AttemptFailed, Forward, Proxy, first_byte_deadline_s
+from kvgate.router.upstream.proxy import AttemptFailed, Forward, Proxy, first_byte_deadline_s, while_working
 from tests.support import free_port_block, wait_until_async
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -430,6 +431,60 @@ async def test_an_attempt_is_abandoned_at_its_own_deadline_and_retried(proxy: Pr
     assert asked == ["hung", "good"] and d.failures == [("hung", "timeout")]
     # The timeout counts against "hung" once the same request succeeded on "good".
     assert [(t.finished, t.blamed) for _, t in d.tickets] == [([None], True), ([], False)]
+
+
+async def busy_replica_run(proxy: Proxy, engines, release_after_s: float) -> tuple[FleetOn, object]:  # type: ignore[no-untyped-def]
+    """A request held by replica "busy" (deadline 0.2 s; "spare" next) for ``release_after_s``, while "busy" answers
+    other requests every 20 ms: the attempts' result (an :class:`Upstream`, or the exception raised)."""
+    released = asyncio.Event()
+    held = asyncio.Event()
+
+    async def busy(request: web.Request) -> web.Response:
+        if (await request.json()).get("prompt") == "held":
+            held.set()
+            await released.wait()
+        return web.json_response({"ok": True})
+
+    d = fleet_on(proxy, {"busy": await engines(busy), "spare": await engines(ok_json)})
+    held_fwd = Forward("/v1/completions", b'{"prompt": "held"}', {}, False, ["busy", "spare"], 3,
+                       {"busy": 0.2, "spare": 5.0})
+    waiting = asyncio.create_task(d.attempts.forward(held_fwd))
+    await asyncio.wait_for(held.wait(), 5.0)
+    until = time.monotonic() + release_after_s
+    while time.monotonic() < until and not waiting.done():  # "busy" serves others meanwhile
+        assert (await d.attempts.forward(forward(["busy"]))).replica == "busy"
+        await asyncio.sleep(0.02)
+    released.set()
+    outcome = (await asyncio.gather(waiting, return_exceptions=True))[0]
+    return d, outcome
+
+
+async def test_a_replica_that_answers_others_keeps_a_request_past_its_deadline(engines) -> None:  # type: ignore[no-untyped-def]
+    config = ProxyConfig(connect_timeout_s=1.0, first_byte_timeout_s=5.0, backoff_base_ms=1, backoff_max_ms=2)
+    client = EngineClient(config.pool_size_per_replica)
+    try:
+        d, up = await busy_replica_run(Proxy(client, config), engines, release_after_s=0.7)
+    finally:
+        await client.close()
+    # Answered where it waited, three deadlines later: no retry, nothing blamed, its wait counted.
+    assert getattr(up, "replica", up) == "busy" and up.attempts == 1  # type: ignore[attr-defined]
+    assert d.failures == [] and d.retry_causes == []
+    assert d.counted(d.metrics.waits_past_deadline) == [("busy",)]
+
+
+async def test_a_busy_replica_still_loses_a_request_at_the_cap(proxy: Proxy, engines) -> None:  # type: ignore[no-untyped-def]
+    d, up = await busy_replica_run(proxy, engines, release_after_s=2.0)  # the cap is 0.5 s
+    assert getattr(up, "replica", up) == "spare" and up.attempts == 2  # type: ignore[attr-defined]
+    assert d.failures == [("busy", "timeout")]
+
+
+def test_a_deadline_is_put_off_only_for_progress_within_it_and_never_past_the_cap() -> None:
+    now = time.monotonic()
+    sent = now - 1.0  # the first 1 s deadline passes now
+    assert while_working(lambda: now - 1.5, sent, 1.0, 10.0)() is None  # nothing since it was sent
+    assert while_working(lambda: now - 0.5, sent, 1.0, 10.0)() == 1.0  # answered another: one deadline more
+    assert while_working(lambda: now - 0.5, sent, 1.0, 1.4)() == pytest.approx(0.4, abs=0.05)  # up to the cap
+    assert while_working(lambda: now - 0.5, sent, 1.0, 0.9)() is None  # past the cap
 
 
 class AskedDeadlines(dict[str, float]):
