@@ -525,14 +525,16 @@ def markdown_report(title: str, meta: dict[str, Any], summaries: dict[str, dict[
 
 def gateway_counter_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> list[str]:
     """What each kvgate did, from its /metrics at the end of the run: decisions by action/reason, hot-prefix
-    replication events, warm-up tokens, transfers. Runs without counters (peer routers) are left out."""
+    replication events, warm-up tokens, transfers, upstream failures, waits past a deadline, requests routed on their
+    prompt's beginning. Runs without counters (peer routers) are left out."""
     lines: list[str] = []
     for name, summary in summaries.items():
         counters = summary.get("gateway")
         if not counters:
             continue
         parts = []
-        for group in ("decisions", "replication", "warmup_tokens", "transfers"):
+        for group in ("decisions", "replication", "warmup_tokens", "transfers", "upstream_failures",
+                      "upstream_waits_past_deadline", "routed_on_prompt_beginning"):
             values = {k: v for k, v in counters.get(group, {}).items() if v}
             if values:
                 parts.append(f"{group} " + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(values.items())))

@@ -50,22 +50,30 @@ def group_cpu_seconds(pgid: int, proc: Path = PROC) -> float | None:
 COUNTERS = {
     "kvgate_decisions": ("action", "reason"),
     "kvgate_transfers": ("kind", "result"),
+    "kvgate_upstream_failures": ("cause",),
+    "kvgate_upstream_waits_past_deadline": (),
+    "kvgate_routed_on_prompt_beginning": (),
 }
-"""Labelled gateway counters copied into a run's summary, keyed by their joined label values."""
+"""Gateway counters copied into a run's summary, keyed by their joined label values (summed over the labels not
+named; "total" when none is)."""
 
 
 def parse_gateway_counters(text: str) -> dict[str, dict[str, float]]:
-    """From a kvgate ``/metrics`` page: decisions by ``action/reason``, transfers by ``kind/result``, replication events by
+    """From a kvgate ``/metrics`` page: decisions by ``action/reason``, transfers by ``kind/result``, upstream failures
+    by cause, waits past a first-byte deadline, requests routed on their prompt's beginning, replication events by
     ``event/reason``, and the warm-up tokens spent. Families that are absent come out empty, and labelled series
     still at zero (kvgate exports every known result and reason from the start) are left out."""
-    out: dict[str, dict[str, float]] = {"decisions": {}, "transfers": {}, "replication": {}, "warmup_tokens": {}}
+    out: dict[str, dict[str, float]] = {name.removeprefix("kvgate_"): {} for name in COUNTERS}
+    out |= {"replication": {}, "warmup_tokens": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.labels and not sample.value:
                 continue
             if family.name in COUNTERS and sample.name.endswith("_total"):
-                key = "/".join(sample.labels[label] for label in COUNTERS[family.name] if label in sample.labels)
-                out[family.name.removeprefix("kvgate_")][key] = sample.value
+                labels = COUNTERS[family.name]
+                key = "/".join(sample.labels[label] for label in labels if label in sample.labels) or "total"
+                group = out[family.name.removeprefix("kvgate_")]
+                group[key] = group.get(key, 0.0) + sample.value
             elif family.name == "kvgate_warmup_tokens" and sample.name.endswith("_total"):
                 out["warmup_tokens"]["total"] = sample.value
             elif family.name.startswith("kvgate_replication_") and sample.name.endswith("_total"):

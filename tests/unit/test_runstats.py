@@ -33,6 +33,17 @@ kvgate_replication_started_total{reason="hot-prefix"} 2.0
 # HELP kvgate_replication_failed_total Warm-ups that failed, by reason.
 # TYPE kvgate_replication_failed_total counter
 kvgate_replication_failed_total{reason="timeout"} 0.0
+# HELP kvgate_upstream_failures_total Upstream attempts that failed before any byte reached the client.
+# TYPE kvgate_upstream_failures_total counter
+kvgate_upstream_failures_total{replica="sim-0",cause="timeout"} 2.0
+kvgate_upstream_failures_total{replica="sim-1",cause="timeout"} 1.0
+kvgate_upstream_failures_total{replica="sim-1",cause="connect"} 4.0
+# HELP kvgate_upstream_waits_past_deadline_total Upstream attempts answered after their first-byte deadline.
+# TYPE kvgate_upstream_waits_past_deadline_total counter
+kvgate_upstream_waits_past_deadline_total{replica="sim-0"} 5.0
+# HELP kvgate_routed_on_prompt_beginning_total Requests routed on their prompt's beginning.
+# TYPE kvgate_routed_on_prompt_beginning_total counter
+kvgate_routed_on_prompt_beginning_total 6.0
 """
 
 
@@ -64,6 +75,9 @@ def test_gateway_counters_are_read_by_label() -> None:
     assert counters["transfers"] == {"completed": 3.0}
     assert counters["warmup_tokens"] == {"total": 8192.0}
     assert counters["replication"] == {"started/hot-prefix": 2.0}
+    assert counters["upstream_failures"] == {"timeout": 3.0, "connect": 4.0}  # summed over replicas
+    assert counters["upstream_waits_past_deadline"] == {"total": 5.0}
+    assert counters["routed_on_prompt_beginning"] == {"total": 6.0}
 
 
 def test_report_lists_each_gateways_counters() -> None:
