@@ -603,8 +603,9 @@ class EngineClient:
         """Send a request and return its answer once its status and headers have arrived (its body follows).
         ``timeout_s`` bounds the exchange, connecting and the body included, until the caller sets another
         (:meth:`EngineResponse.set_timeout`): past it, this or a read raises :class:`TimeoutError` and the connection
-        is closed, unless ``extend`` puts it off once the request is sent (a connection waited for is not). Raises :class:`UpstreamConnectError`, :class:`UpstreamDisconnected`, or :class:`ValueError` for a
-        URL or header that cannot be sent. ``on_sent`` is called once the request is handed to its connection,
+        is closed, unless ``extend`` puts it off once the request is sent (a connection waited for is not). Raises
+        :class:`UpstreamConnectError`, :class:`UpstreamDisconnected`, or :class:`ValueError` for a URL or header that
+        cannot be sent. ``on_sent`` is called once the request is handed to its connection,
         before its answer is awaited (what the request leaves behind is recorded while the engine works).
 
         A request written to a kept-alive connection that closes before any of its answer arrived is sent once more,
