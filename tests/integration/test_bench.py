@@ -85,7 +85,10 @@ def test_tiny_bench_with_a_cache_aware_peer(tmp_path: Path, peer: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
     summary = doc["summaries"][peer]
-    assert summary["ok"] == 10 and sum(summary["requests_per_replica"].values()) == 10
+    failed = [(r["index"], r["status"], r["error"]) for r in doc["requests"][peer] if r["status"] != 200]
+    router_log = (out / "logs" / f"{peer}-router.log").read_text(errors="replace")[-3000:]
+    assert summary["ok"] == 10, f"the {peer} router failed {failed}; its log ends:\n{router_log}"
+    assert sum(summary["requests_per_replica"].values()) == 10
     assert all(r["replica"] and r["engine_ttft_ms"] is not None for r in doc["requests"][peer])
     assert not any(_listening(url) for url in doc["meta"]["targets"].values())
 
