@@ -55,7 +55,7 @@ def test_calibration_converges_to_the_engines_ttft(
     replicas: list[VllmReplica], engine_runtime: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """Cold streamed prompts of 100-6,000 tokens, one at a time, against the cost model kvgate fitted from the TTFTs
-    it observed. The policy file starts the model at a fixed 150 ms + 0.005 ms per token, far from the tiny model on
+    it observed. The policy file starts the model at a fixed 1,500 ms + 0.005 ms per token, far above the tiny model on
     a CPU (tens to hundreds of ms per 2,048-token chunk, as busy as this shared machine is), and lets the fit move
     each coefficient as far as the data says (``max_change`` 1000).
 
@@ -63,7 +63,7 @@ def test_calibration_converges_to_the_engines_ttft(
     and after: scheduling and prefill, from the moment its API server has rendered and tokenized the prompt) and the
     client's (everything, kvgate included). The engine's tokenization and HTTP sit between the two and grow with the
     prompt, more so on a loaded machine, so the fit must land in that band, not on either line."""
-    start = {"fixed_ms": 150.0, "per_token_ms": 0.005}
+    start = {"fixed_ms": 1500.0, "per_token_ms": 0.005}
     gw = start_gateway(tmp_path, "calibrating", replicas, engine_runtime[1],
                        models=[{"name": MODEL_NAME, "tokenizer": str(engine_runtime[1]), "prefill": start}],
                        calibration={"min_samples": 24, "max_change": 1000.0})
