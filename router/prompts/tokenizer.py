@@ -65,7 +65,8 @@ thread-pool hop (queue put, waking a worker, two GIL hand-offs, ``call_soon_thre
 CPU of short requests. Longer uncached text goes to the pool so a cold document never blocks the loop for long
 (``benchmarks/bench_tokenize.py`` reports the loop's longest stall; docs/benchmarks.md, "Tokenization")."""
 INLINE_BODY_BYTES = 32768
-"""A body larger than this is parsed, rendered and tokenized on a worker thread, whole. What a request costs the loop
+"""A body larger than this is parsed, rendered and tokenized on a worker thread, whole (or up to its beginning, for a
+prompt routed on it: :meth:`PromptTokenizer.tokenize`). What a request costs the loop
 grows with its body (validating its messages and parts, the chat template, cutting and looking up pieces: up to
 ~70 ns a byte here, the most for many small messages or tools), so above this it would hold the loop for
 milliseconds, and 20,000 tools held it for a third of a second; the worker gives the loop the GIL back every few
@@ -155,6 +156,17 @@ class _CpuTime:
             self._spent += time.thread_time() - started
 
 
+@dataclass(frozen=True, slots=True)
+class _Lead:
+    """A prompt's pieces with the cached ids of its text pieces (None: not cached), the ids of the uncached ones
+    encoded at once (the first ones), and the keys of the uncached ones left to a worker."""
+
+    pieces: list[Piece]
+    found: list[array[int] | None]
+    encoded: list[array[int]]
+    missing: list[tuple[str, str]]
+
+
 @dataclass(slots=True)
 class _Prepared:
     """What :meth:`PromptTokenizer._prepare` did: the parsed prompt, and its ids or text when it got that far."""
@@ -163,23 +175,15 @@ class _Prepared:
     ids: array[int] | None = None
     source: Source = "local"
     text: str | None = None
-    """The prompt text from the model's own template (or a completions prompt), for a small body's ids."""
+    """The prompt text from the model's own template (or a completions prompt), for a small body's ids or a large
+    body's rest."""
     planned: ChatRender | None = None
     """A chat whose template is the request's own, for the sandboxed renderer."""
+    lead: _Lead | None = None
+    """A large body's beginning (with ``text``), its rest not encoded yet."""
     failed: Exception | None = None
     """The local tokenizer failed unexpectedly (never a client mistake): the request falls back."""
     shared_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _Lead:
-    """A prompt's pieces with the cached ids of its text pieces (None: not cached), the ids of the uncached ones
-    encoded on the loop (the first ones), and the keys of the uncached ones left to a worker."""
-
-    pieces: list[Piece]
-    found: list[array[int] | None]
-    encoded: list[array[int]]
-    missing: list[tuple[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,15 +283,15 @@ class PromptTokenizer:
 
         With ``lead``, a single prompt whose uncached text is too long to encode on the loop comes back as soon as
         its beginning is known: the ids of its pieces up to the first one still uncached once
-        :data:`INLINE_PROMPT_CHARS` of them were encoded here, with the rest encoded on a worker thread meanwhile
-        (:attr:`TokenizedPrompt.rest`). A prompt whose cached prefix ends inside that beginning can be routed at
+        :data:`INLINE_PROMPT_CHARS` of them were encoded (here, or on the worker thread that parsed a large body),
+        with the rest encoded on a worker thread meanwhile (:attr:`TokenizedPrompt.rest`). A prompt whose cached prefix ends inside that beginning can be routed at
         once: the rest cannot change where any replica's match ends. Not a prompt that may be longer than
         ``max_model_len``: its exact count is known before it is routed, so it is refused as it would be without
         ``lead``."""
         local = self._models.get(model)
         scope = cache_scope(model, namespace)
         whole = body_bytes > INLINE_BODY_BYTES
-        prepare = functools.partial(self._prepare, local, prompt_of, scope, max_model_len, whole)
+        prepare = functools.partial(self._prepare, local, prompt_of, scope, max_model_len, whole, lead)
         cpu = _CpuTime()
         if whole:
             prepared = await cpu.off_loop(self._pool, prepare)
@@ -299,6 +303,9 @@ class PromptTokenizer:
             return self._done(prepared.ids, prepared.source, cpu, count, prepared.shared_tokens)
         if local is not None and prepared.failed is None and self._renders_locally(local, prompt):
             try:
+                if prepared.lead is not None:
+                    assert prepared.text is not None
+                    return self._lead(local, prompt, prepared.text, scope, prepared.lead, cpu)
                 if prepared.planned is not None:
                     text = await cpu.awaiting(self._render_request_template(local, prepared.planned, scope))
                 else:
@@ -332,11 +339,13 @@ class PromptTokenizer:
 
     def _prepare(
         self, local: _LocalModel | None, prompt_of: Callable[[], Prompt], scope: str, max_model_len: int | None,
-        whole: bool,
+        whole: bool, lead: bool,
     ) -> _Prepared:
         """What runs before any await (on the loop for a small body, else on a worker thread): the body parsed and
         checked against the limits and the model's length; a prompt of token ids as they are; and with the model's
-        own template (or a completions prompt), the prompt text, and with ``whole`` its ids too."""
+        own template (or a completions prompt), the prompt text, and with ``whole`` its ids too, or with ``lead``,
+        when it has too much uncached text to encode at once and cannot be longer than ``max_model_len``, its
+        beginning (:meth:`_beginning`)."""
         prompt = prompt_of()
         check_limits(prompt, self.limits)
         if isinstance(prompt, CompletionPrompt) and prompt.ids is not None:
@@ -355,7 +364,16 @@ class PromptTokenizer:
             assert text is not None
             if not whole:
                 return _Prepared(prompt, text=text)
-            ids = self._ids_of_text(local, prompt, text, scope)
+            pieces, found, missing = self._look_up(local, text, scope)
+            single = not isinstance(prompt, CompletionPrompt) or prompt.prompt_count == 1
+            if lead and single and sum(len(key[1]) for key in missing) > INLINE_PROMPT_CHARS:
+                beginning = self._beginning(local, pieces, found, missing)
+                if max_model_len is None or _at_most(local, prompt, beginning) <= max_model_len:
+                    return _Prepared(prompt, text=text, lead=beginning)
+                missing, encoded = beginning.missing, beginning.encoded
+            else:
+                encoded = []
+            ids = self._join(local, prompt, pieces, found, [*encoded, *self._encode_pieces(local, missing)])
             shared = self._shared_tokens(local, prompt, text, ids, scope)
         except PromptError:
             raise
@@ -421,16 +439,22 @@ class PromptTokenizer:
         if sum(len(key[1]) for key in missing) <= INLINE_PROMPT_CHARS:
             encoded = self._encode_pieces(local, missing)
         elif lead:
-            # Pieces away from the end of long text are about INLINE_PROMPT_CHARS long: the first is encoded here
-            # even when a little longer (a beginning needs at least one), the others within the budget.
-            budget, now = INLINE_PROMPT_CHARS, 0
-            while now < len(missing) and len(missing[now][1]) <= (budget if now else 2 * INLINE_PROMPT_CHARS):
-                budget -= len(missing[now][1])
-                now += 1
-            return _Lead(pieces, found, self._encode_pieces(local, missing[:now]), missing[now:])
+            return self._beginning(local, pieces, found, missing)
         else:
             encoded = await cpu.off_loop(self._pool, self._encode_pieces, local, missing)
         return self._join(local, prompt, pieces, found, encoded)
+
+    def _beginning(
+        self, local: _LocalModel, pieces: list[Piece], found: list[array[int] | None], missing: list[tuple[str, str]],
+    ) -> _Lead:
+        """The uncached pieces of a prompt's beginning encoded, the others left to a worker: as many as
+        :data:`INLINE_PROMPT_CHARS` allows. Pieces away from the end of long text are about that long, so the first
+        is encoded even when a little longer (a beginning needs at least one)."""
+        budget, now = INLINE_PROMPT_CHARS, 0
+        while now < len(missing) and len(missing[now][1]) <= (budget if now else 2 * INLINE_PROMPT_CHARS):
+            budget -= len(missing[now][1])
+            now += 1
+        return _Lead(pieces, found, self._encode_pieces(local, missing[:now]), missing[now:])
 
     def _lead(
         self, local: _LocalModel, prompt: CompletionPrompt | ChatPrompt, text: str, scope: str, lead: _Lead,

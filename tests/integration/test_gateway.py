@@ -127,19 +127,23 @@ def test_each_request_writes_one_json_log_line(client: openai.OpenAI, gw: Gatewa
     assert 0 < line["upstream_ttft_ms"] <= line["ttft_ms"]  # the part after dispatch
 
 
-def test_a_long_new_prompt_is_routed_before_all_of_it_is_tokenized(client: openai.OpenAI, gw: Gateway) -> None:
+@pytest.mark.parametrize("paragraphs", [700, 1500])  # a body tokenized on the loop, and one parsed on a worker
+def test_a_long_new_prompt_is_routed_before_all_of_it_is_tokenized(
+    client: openai.OpenAI, gw: Gateway, paragraphs: int
+) -> None:
     """A long prompt new to the gateway is routed on its beginning while its rest is tokenized; what the request
     leaves behind is still the whole prompt's: its log line's count and the parity check equal the engine's."""
     routed_early = metric_value(gw, "kvgate_routed_on_prompt_beginning_total")
     matched = metric_value(gw, "kvgate_parity_prompt_tokens_total", api="completions", result="match")
     mismatched = metric_value(gw, "kvgate_parity_prompt_tokens_total", result="mismatch")
-    document = " ".join(f"fresh paragraph {i} on topic {i * 7 % 13}." for i in range(700))
+    document = " ".join(f"fresh paragraph {i} on topic {i * 7 % 13} of {paragraphs}." for i in range(paragraphs))
+    request_id = f"req-routed-early-{paragraphs}"
     stream = client.completions.create(
         model=MODEL, prompt=document, max_tokens=3, stream=True, stream_options={"include_usage": True},
-        extra_headers={"X-Request-Id": "req-routed-early"},
+        extra_headers={"X-Request-Id": request_id},
     )
     usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
-    (line,) = wait_until(lambda: request_log_lines(gw, "req-routed-early"), timeout=5.0)
+    (line,) = wait_until(lambda: request_log_lines(gw, request_id), timeout=5.0)
     assert line["prompt_tokens"] == usage.prompt_tokens > 4000
     assert metric_value(gw, "kvgate_routed_on_prompt_beginning_total") == routed_early + 1
     assert metric_value(gw, "kvgate_parity_prompt_tokens_total", api="completions", result="match") == matched + 1

@@ -19,7 +19,7 @@ from kvgate.router.core.config import LimitsConfig, ModelConfig
 from kvgate.router.core.errors import ConfigError
 from kvgate.router.prompts.model_tokenizer import ModelTokenizer
 from kvgate.router.prompts.prompt import PromptError
-from kvgate.router.prompts.tokenizer import PromptTokenizer
+from kvgate.router.prompts.tokenizer import INLINE_BODY_BYTES, PromptTokenizer
 from tests.tokenizing import tokenize_body
 
 MODEL = "kvgate-sim"
@@ -369,12 +369,13 @@ async def test_a_marked_system_prompt_is_the_shared_prefix_every_session_starts_
     assert (await prompts.tokenize(MODEL, functools.partial(parse_messages, unmarked))).shared_tokens == 0
 
 
+@pytest.mark.parametrize("body_bytes", [0, INLINE_BODY_BYTES + 1])  # on the loop, and on the large body's worker
 async def test_a_long_new_prompt_comes_back_as_its_exact_beginning_then_whole(
-    prompts: PromptTokenizer, reference: ModelTokenizer
+    prompts: PromptTokenizer, reference: ModelTokenizer, body_bytes: int
 ) -> None:
     """With ``lead``, a prompt with more uncached text than the loop encodes comes back as the ids of its first
     pieces (a prefix of the whole prompt's ids), and its rest resolves to exactly what a plain tokenize gives."""
-    rng = random.Random(11)
+    rng = random.Random(11 + body_bytes)
     for endpoint in ("completions", "chat"):
         for _ in range(5):
             document = "".join(random_text(rng, 30, specials=False) + rng.choice(["word\n", ". ", "\n"])
@@ -383,7 +384,8 @@ async def test_a_long_new_prompt_comes_back_as_its_exact_beginning_then_whole(
                 {"prompt": document} if endpoint == "completions"
                 else {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": document}]}
             )
-            lead = await tokenize_body(prompts, MODEL, endpoint, body, namespace=f"lead-{rng.random()}", lead=True)
+            lead = await tokenize_body(prompts, MODEL, endpoint, body, namespace=f"lead-{rng.random()}", lead=True,
+                                       body_bytes=body_bytes)
             expected = (reference.encode(document) if endpoint == "completions"
                         else reference.encode_chat(body["messages"]))
             assert lead.rest is not None
@@ -428,14 +430,32 @@ async def test_a_failing_rest_resolves_to_the_beginning_flagged_approximate(
     assert whole.token_ids.tolist() == lead.token_ids.tolist()
 
 
-async def test_a_prompt_that_may_be_too_long_is_counted_whole_before_it_is_routed(prompts: PromptTokenizer) -> None:
+@pytest.mark.parametrize("body_bytes", [0, INLINE_BODY_BYTES + 1])
+async def test_a_prompt_that_may_be_too_long_is_counted_whole_before_it_is_routed(
+    prompts: PromptTokenizer, body_bytes: int
+) -> None:
     document = {"prompt": " ".join(f"bounded document {i}." for i in range(1000))}
-    exact = len((await tokenize_body(prompts, MODEL, "completions", document, namespace="exact")).token_ids)
+    exact = len((await tokenize_body(prompts, MODEL, "completions", document, namespace=f"exact-{body_bytes}"))
+                .token_ids)
     # its bytes bound its tokens far above the exact count: a limit between the two leaves no doubt only once counted
-    tight = await tokenize_body(prompts, MODEL, "completions", document, namespace="tight", lead=True,
-                                max_model_len=exact + 10)
+    tight = await tokenize_body(prompts, MODEL, "completions", document, namespace=f"tight-{body_bytes}", lead=True,
+                                max_model_len=exact + 10, body_bytes=body_bytes)
     assert tight.rest is None and len(tight.token_ids) == exact
-    roomy = await tokenize_body(prompts, MODEL, "completions", document, namespace="roomy", lead=True,
-                                max_model_len=100_000)
+    roomy = await tokenize_body(prompts, MODEL, "completions", document, namespace=f"roomy-{body_bytes}", lead=True,
+                                max_model_len=100_000, body_bytes=body_bytes)
     assert roomy.rest is not None
     assert len((await roomy.rest).token_ids) == exact
+
+
+async def test_a_large_body_of_several_prompts_or_little_new_text_comes_back_whole(prompts: PromptTokenizer) -> None:
+    """On the large body's worker as on the loop: only a single prompt with more uncached text than the loop encodes
+    comes back as its beginning."""
+    large = INLINE_BODY_BYTES + 1
+    document = " ".join(f"batched document {i}." for i in range(1000))
+    batch = await tokenize_body(prompts, MODEL, "completions", {"prompt": [document, "and another"]},
+                                namespace="batch", lead=True, body_bytes=large)
+    assert batch.rest is None and batch.prompt_count == 2
+    await tokenize_body(prompts, MODEL, "completions", {"prompt": document}, namespace="warm")
+    warm = await tokenize_body(prompts, MODEL, "completions", {"prompt": document + " One more line."},
+                               namespace="warm", lead=True, body_bytes=large)
+    assert warm.rest is None and warm.token_count == len(warm.token_ids)
