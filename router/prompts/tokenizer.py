@@ -447,12 +447,15 @@ class PromptTokenizer:
     def _beginning(
         self, local: _LocalModel, pieces: list[Piece], found: list[array[int] | None], missing: list[tuple[str, str]],
     ) -> _Lead:
-        """The uncached pieces of a prompt's beginning encoded, the others left to a worker: as many as
-        :data:`INLINE_PROMPT_CHARS` allows. Pieces away from the end of long text are about that long, so the first
-        is encoded even when a little longer (a beginning needs at least one)."""
-        budget, now = INLINE_PROMPT_CHARS, 0
-        while now < len(missing) and len(missing[now][1]) <= (budget if now else 2 * INLINE_PROMPT_CHARS):
-            budget -= len(missing[now][1])
+        """The uncached pieces of a prompt's beginning encoded, the others left to a worker: pieces in order until
+        :data:`INLINE_PROMPT_CHARS` of them are, taking one more while the total stays within twice that. Pieces away
+        from the end of long text are about that long, so the beginning reaches into the first of them even behind a
+        few short uncached pieces (a new chat's system prompt and template text): a beginning needs full blocks past
+        the cached prefix to settle where it ends."""
+        spent, now = 0, 0
+        while now < len(missing) and spent < INLINE_PROMPT_CHARS \
+                and spent + len(missing[now][1]) <= 2 * INLINE_PROMPT_CHARS:
+            spent += len(missing[now][1])
             now += 1
         return _Lead(pieces, found, self._encode_pieces(local, missing[:now]), missing[now:])
 

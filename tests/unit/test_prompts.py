@@ -399,6 +399,27 @@ async def test_a_long_new_prompt_comes_back_as_its_exact_beginning_then_whole(
             assert whole.cpu_ms >= lead.cpu_ms
 
 
+@pytest.mark.parametrize("body_bytes", [0, INLINE_BODY_BYTES + 1])
+async def test_a_new_chat_s_beginning_reaches_past_its_uncached_system_prompt(
+    reference: ModelTokenizer, body_bytes: int
+) -> None:
+    """A new session's short system prompt and template text are uncached too: the beginning still takes in the
+    first long piece of the document after them (at the gateway's own piece size, a little over what the loop
+    encodes), else it would hold no full block past them to route on."""
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Review this file:\n" + " ".join(f"line{i} of the repo" for i in range(1500))}]
+    prompts = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))])
+    try:
+        lead = await tokenize_body(prompts, MODEL, "chat", {"messages": messages}, lead=True, body_bytes=body_bytes)
+        expected = reference.encode_chat(messages)
+        assert lead.rest is not None
+        assert 512 <= len(lead.token_ids) < len(expected)
+        assert lead.token_ids.tolist() == expected[: len(lead.token_ids)]
+        assert (await lead.rest).token_ids.tolist() == expected
+    finally:
+        prompts.close()
+
+
 async def test_a_prompt_the_loop_can_encode_comes_back_whole(prompts: PromptTokenizer) -> None:
     short = {"prompt": " ".join(f"short {i}." for i in range(100))}
     assert (await tokenize_body(prompts, MODEL, "completions", short, lead=True)).rest is None
