@@ -37,15 +37,8 @@ class Generate:
             ticket = await self.queue.wait(request, prompt, admitted.parsed, admission)
             if ticket is None:
                 return self.proxied.left_waiting(admission, api)
-            rest = prompt.tokenized.rest
-            routed = None
-            if rest is not None:
-                if not rest.done():
-                    routed = self.route.route_lead(prompt, admission, admitted.parsed.stream)
-                if routed is None:
-                    prompt = await self.tokenize.whole(prompt, api.prompt_param)
-            if routed is None:
-                routed = self.route.route(prompt, admission, admitted.parsed.stream)
+            routed = await self.route.route_tokenized(
+                prompt, admission, admitted.parsed.stream, lambda lead: self.tokenize.whole(lead, api.prompt_param))
         except BaseException as err:
             if ticket is not None:
                 ticket.release()

@@ -89,11 +89,12 @@ class Responses:
 
             partial = previous is not None and history is None
             prompt = await self.tokenize.tokenize(parsed, prompt_of=prompt_of, pinned=pinned, partial=partial,
-                                                  trace=admission.trace)
+                                                  trace=admission.trace, lead=True)
             ticket = await self.queue.wait(request, prompt, parsed, admission)
             if ticket is None:
                 return self.proxied.left_waiting(admission, api)
-            routed = self.route.route(prompt, admission, parsed.stream)
+            routed = await self.route.route_tokenized(
+                prompt, admission, parsed.stream, lambda lead: self.tokenize.whole(lead, api.prompt_param))
         except BaseException as err:
             if ticket is not None:
                 ticket.release()

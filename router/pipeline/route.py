@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from kvgate.cache_index.index import PrefixIndex
 from kvgate.cache_index.keys import RecentBlockKeys, namespace_key
@@ -83,6 +83,20 @@ class RouteStage:
             admission.trace.stage("route")
         with routing_errors():
             return self._route(prompt, admission, stream, explain=False)
+
+    async def route_tokenized(
+        self, prompt: Prompt, admission: Admission, stream: bool, whole: Callable[[Prompt], Awaitable[Prompt]],
+    ) -> Routed:
+        """:meth:`route` for a prompt tokenized with ``lead``: on its beginning when :meth:`route_lead` decides it
+        there, else once ``whole`` (:meth:`~kvgate.router.pipeline.tokenize.TokenizeStage.whole`) gives all of it."""
+        rest = prompt.tokenized.rest
+        if rest is not None:
+            if not rest.done():
+                routed = self.route_lead(prompt, admission, stream)
+                if routed is not None:
+                    return routed
+            prompt = await whole(prompt)
+        return self.route(prompt, admission, stream)
 
     def _route(self, prompt: Prompt, admission: Admission, stream: bool, explain: bool) -> Routed | None:
         started = time.perf_counter()

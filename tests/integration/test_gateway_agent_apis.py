@@ -201,6 +201,35 @@ def test_a_stored_response_is_followed_on_its_replica_and_private_to_its_tenant(
         client.responses.retrieve("resp_" + "0" * 56)
 
 
+@pytest.mark.parametrize("words", [900, 1500])  # a body tokenized on the loop, and one parsed on a worker thread
+def test_a_long_new_responses_input_is_routed_on_its_beginning_and_counted_whole(gw: Gateway, words: int) -> None:
+    """A Codex turn carrying a long file the gateway never saw goes out before all of it is tokenized; its log line
+    and the parity check still count the whole prompt, equal to the engine's, and its follow-up finds it cached."""
+    client = codex(gw)
+    routed_early = metric(gw, "kvgate_routed_on_prompt_beginning_total")
+    matched = metric(gw, "kvgate_parity_prompt_tokens_total", api="responses", result="match")
+    with client.responses.with_streaming_response.create(
+        model=MODEL, input="Review this file:\n" + unique(words=words), store=True, instructions="Answer briefly.",
+        max_output_tokens=4, stream=True,
+    ) as raw:
+        events = list(raw.parse())
+        request_id = raw.headers["x-request-id"]
+    (completed,) = [e for e in events if e.type == "response.completed"]
+    usage = completed.response.usage
+    assert usage is not None
+    line = request_log_line(gw, request_id)
+    assert line["api"] == "responses" and line["prompt_tokens"] == usage.input_tokens > 4000
+    assert metric(gw, "kvgate_routed_on_prompt_beginning_total") == routed_early + 1
+    assert metric(gw, "kvgate_parity_prompt_tokens_total", api="responses", result="match") == matched + 1
+    assert metric(gw, "kvgate_parity_prompt_tokens_total", result="mismatch") == 0
+
+    raw_next = client.responses.with_raw_response.create(
+        model=MODEL, previous_response_id=completed.response.id, input="Any bugs?", instructions="Answer briefly.",
+        max_output_tokens=4)
+    follow_up = raw_next.parse()
+    assert follow_up.usage is not None and (follow_up.usage.input_tokens_details.cached_tokens or 0) > 4000
+
+
 def test_the_passthrough_surface_is_authenticated_and_parses_multipart_models(gw: Gateway) -> None:
     alice = {"Authorization": "Bearer sk-alice"}
     r = httpx.post(gw.url + "/tokenize", json={"model": MODEL, "prompt": "hello there"}, headers=alice, timeout=5)
