@@ -53,10 +53,16 @@ def start_gateway(sim: Sim, workdir: Path, name: str, **sections: dict) -> Gatew
     return start_kvgate(workdir, gateway_config(sim, workdir, name, server=SERVER, **sections))
 
 
-def wait_ready(gw: Gateway, timeout: float = 60.0) -> float:
-    """Seconds until /ready answers 200."""
+def wait_ready(gw: Gateway, replicas: int, timeout: float = 60.0) -> float:
+    """Seconds until /ready answers 200 with all ``replicas`` routable: it is ready once one passes its health checks,
+    and a prompt sent before the others do could only go to that one."""
     started = time.monotonic()
-    wait_until(lambda: httpx.get(gw.url + "/ready", timeout=5).status_code == 200, timeout=timeout)
+
+    def all_routable() -> bool:
+        r = httpx.get(gw.url + "/ready", timeout=5)
+        return r.status_code == 200 and len(r.json().get("routable", [])) == replicas
+
+    wait_until(all_routable, timeout=timeout)
     return time.monotonic() - started
 
 
@@ -73,7 +79,7 @@ def warm_a(sim: Sim, workdir: Path) -> Iterator[tuple[Gateway, list[str]]]:
     buffers hold none of the prompts' batches."""
     a = start_gateway(sim, workdir, "a.yaml")
     try:
-        wait_ready(a)
+        wait_ready(a, sim.replicas)
         for i in range(sim.replicas):  # A's subscriptions deliver (a PUB drops what it sends before a SUB joins)
             probe = prompt_of(f"a-joined-{i}", words=8)
             wait_until(lambda: send(sim, i, probe) >= 0 and cached(a, probe)[f"sim-{i}"] > 0, timeout=PATIENCE_S,
@@ -98,8 +104,8 @@ def test_a_gateway_started_next_to_a_warm_one_is_warm_at_once(
     cold = start_gateway(sim, workdir, "cold.yaml")
     b = start_gateway(sim, workdir, "b.yaml", peers={"urls": [a.url], "warm_start_timeout_s": 10})
     try:
-        wait_ready(cold)
-        wait_ready(b)
+        wait_ready(cold, sim.replicas)
+        wait_ready(b, sim.replicas)
         for prompt in prompts:
             expected = cached(a, prompt)
             assert max(expected.values()) > 0
@@ -162,7 +168,7 @@ def start_with_peer(sim: Sim, workdir: Path, name: str, body: bytes) -> Gateway:
     peer = FixedPeer(body)
     try:
         gw = start_gateway(sim, workdir, name, peers={"urls": [peer.url], "warm_start_timeout_s": 10})
-        wait_ready(gw)
+        wait_ready(gw, sim.replicas)
     finally:
         peer.stop()
     return gw
@@ -247,7 +253,7 @@ def test_without_a_reachable_peer_the_gateway_starts_cold_within_the_timeout(sim
         started = time.monotonic()
         quick = start_gateway(sim, workdir, "b-refused.yaml", peers={"urls": [refused], "warm_start_timeout_s": 60})
         try:
-            wait_ready(quick)
+            wait_ready(quick, sim.replicas)
             assert time.monotonic() - started < 30  # nothing to wait for: cold at once, long before the timeout
         finally:
             quick.stop()
@@ -255,7 +261,7 @@ def test_without_a_reachable_peer_the_gateway_starts_cold_within_the_timeout(sim
         started = time.monotonic()
         slow = start_gateway(sim, workdir, "b-silent.yaml", peers={"urls": [hanging], "warm_start_timeout_s": 3})
         try:
-            wait_ready(slow)
+            wait_ready(slow, sim.replicas)
             assert 3 <= time.monotonic() - started < 30  # it waited for the silent peer, then went on cold
         finally:
             slow.stop()
