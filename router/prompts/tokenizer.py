@@ -66,11 +66,11 @@ CPU of short requests. Longer uncached text goes to the pool so a cold document 
 (``benchmarks/bench_tokenize.py`` reports the loop's longest stall; docs/benchmarks.md, "Tokenization")."""
 INLINE_BODY_BYTES = 32768
 """A body larger than this is parsed, rendered and tokenized on a worker thread, whole (or up to its beginning, for a
-prompt routed on it: :meth:`PromptTokenizer.tokenize`). What a request costs the loop
-grows with its body (validating its messages and parts, the chat template, cutting and looking up pieces: up to
-~70 ns a byte here, the most for many small messages or tools), so above this it would hold the loop for
-milliseconds, and 20,000 tools held it for a third of a second; the worker gives the loop the GIL back every few
-milliseconds. Below it, the hop to a worker and back costs more CPU than the work."""
+prompt routed on it: :meth:`PromptTokenizer.tokenize`). What a request costs the loop grows with its body
+(validating its messages and parts, the chat template, cutting and looking up pieces: up to ~70 ns a byte here, the
+most for many small messages or tools), so above this it would hold the loop for milliseconds, and 20,000 tools held
+it for a third of a second; the worker gives the loop the GIL back every few milliseconds. Below it, the hop to a
+worker and back costs more CPU than the work."""
 
 log = logging.getLogger(__name__)
 
@@ -284,10 +284,10 @@ class PromptTokenizer:
         With ``lead``, a single prompt whose uncached text is too long to encode on the loop comes back as soon as
         its beginning is known: the ids of its pieces up to the first one still uncached once
         :data:`INLINE_PROMPT_CHARS` of them were encoded (here, or on the worker thread that parsed a large body),
-        with the rest encoded on a worker thread meanwhile (:attr:`TokenizedPrompt.rest`). A prompt whose cached prefix ends inside that beginning can be routed at
-        once: the rest cannot change where any replica's match ends. Not a prompt that may be longer than
-        ``max_model_len``: its exact count is known before it is routed, so it is refused as it would be without
-        ``lead``."""
+        with the rest encoded on a worker thread meanwhile (:attr:`TokenizedPrompt.rest`). A prompt whose cached
+        prefix ends inside that beginning can be routed at once: the rest cannot change where any replica's match
+        ends. Not a prompt that may be longer than ``max_model_len``: its exact count is known before it is routed,
+        so it is refused as it would be without ``lead``."""
         local = self._models.get(model)
         scope = cache_scope(model, namespace)
         whole = body_bytes > INLINE_BODY_BYTES

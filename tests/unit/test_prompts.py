@@ -406,8 +406,9 @@ async def test_a_new_chat_s_beginning_reaches_past_its_uncached_system_prompt(
     """A new session's short system prompt and template text are uncached too: the beginning still takes in the
     first long piece of the document after them (at the gateway's own piece size, a little over what the loop
     encodes), else it would hold no full block past them to route on."""
+    document = " ".join(f"line{i} of the repo" for i in range(1500))
     messages = [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": "Review this file:\n" + " ".join(f"line{i} of the repo" for i in range(1500))}]
+                {"role": "user", "content": "Review this file:\n" + document}]
     prompts = PromptTokenizer([ModelConfig(name=MODEL, tokenizer=str(TOKENIZER_DIR))])
     try:
         lead = await tokenize_body(prompts, MODEL, "chat", {"messages": messages}, lead=True, body_bytes=body_bytes)
