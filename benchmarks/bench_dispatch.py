@@ -25,6 +25,7 @@ import httpx
 
 from kvgate.loadgen.bench import KVGATE, free_port_block
 from kvgate.loadgen.procs import ChildProcess
+from kvgate.loadgen.runstats import scrape_gateway_counters
 
 WARMUP = 2
 """Requests sent first and not counted (connections, the first request's one-off costs)."""
@@ -73,10 +74,10 @@ def log_lines(log: Path, ids: set[str], timeout_s: float = 10.0) -> dict[str, di
 
 
 def routed_on_beginning(url: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("kvgate_routed_on_prompt_beginning_total "):
-            return float(line.split()[1])
-    return 0.0
+    counters = scrape_gateway_counters(url)
+    if counters is None:
+        raise SystemExit(f"kvgate at {url} did not answer /metrics")
+    return counters["routed_on_prompt_beginning"].get("total", 0.0)
 
 
 def main() -> None:
