@@ -17,7 +17,6 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 
 from . import anthropic, responses
 from .answers import SSE_HEADERS, Answer, ChatAnswer, CompletionAnswer
@@ -28,7 +27,7 @@ from .conversation import Conversation, prompt_ids, tool_dicts
 from .engine import RemoteSource, SimRequest, State
 from .errors import EngineError
 from .ids import random_id
-from .metrics import CONTENT_TYPE, render
+from .metrics import CONTENT_TYPE, MetricsPage
 from .replica import SimReplica, request_headers
 from .routes import Route, match
 
@@ -77,15 +76,15 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 class ReplicaApi:
     """The request handler of one replica's HTTP listener, over its state, its bootstrap side (SGLang's P/D legs)
-    and its metrics registry; ``stats`` answers ``/sim/stats`` and ``apply_fault`` ``/sim/fault``."""
+    and its metrics page; ``stats`` answers ``/sim/stats`` and ``apply_fault`` ``/sim/fault``."""
 
     def __init__(
-        self, replica: SimReplica, bootstrap: ReplicaBootstrap, registry: CollectorRegistry,
+        self, replica: SimReplica, bootstrap: ReplicaBootstrap, metrics_page: MetricsPage,
         stats: Callable[[], dict[str, Any]], apply_fault: ApplyFault,
     ) -> None:
         self.replica = replica
         self.bootstrap = bootstrap
-        self.registry = registry
+        self.metrics_page = metrics_page
         self.stats = stats
         self.apply_fault = apply_fault
         p = replica.params
@@ -224,7 +223,7 @@ class ReplicaApi:
         return web.Response(status=200 if self.replica.healthy else 503)
 
     async def metrics(self, request: web.BaseRequest) -> web.StreamResponse:
-        return web.Response(body=render(self.registry), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=self.metrics_page.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def reset_prefix_cache(self, request: web.BaseRequest) -> web.StreamResponse:
         """vLLM's dev endpoint: ``{"success": false}`` while blocks are in use, unless ``reset_running_requests``."""

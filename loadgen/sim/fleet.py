@@ -5,7 +5,7 @@ Replica i serves HTTP on ``port + i``, publishes KV events on ``zmq_port + 2i`` 
 KV transfers use).
 
 Each replica is its state (``replica.SimReplica``) and a ``ReplicaServer`` around it: the HTTP listener serving
-``api.ReplicaApi``, the ``/metrics`` registry and the SGLang bootstrap server. This module is where they are put
+``api.ReplicaApi``, the ``/metrics`` page and the SGLang bootstrap server. This module is where they are put
 together: each part is handed what it needs of the rest of the fleet (another replica's bootstrap server, the target
 of a fault), so none of the parts imports this module.
 """
@@ -26,23 +26,23 @@ from . import faults
 from .api import ReplicaApi, make_request
 from .bootstrap import ReplicaBootstrap
 from .engine import Engine
-from .metrics import metrics_registry
+from .metrics import MetricsPage
 from .model import SimModel
 from .params import SimParams
 from .replica import SimReplica, client_host
 
 
 class ReplicaServer:
-    """One replica as the fleet runs it: its state, its HTTP listener, its metrics registry and its bootstrap side.
+    """One replica as the fleet runs it: its state, its HTTP listener, its metrics page and its bootstrap side.
     ``fleet`` is every server of the fleet (this one included): where a fault or a decode leg finds another
     replica."""
 
     def __init__(self, replica: SimReplica, bootstrap_port: int | None, fleet: Iterable[ReplicaServer]) -> None:
         self.replica = replica
         self._fleet = fleet
-        self.registry = metrics_registry(replica)
+        self.metrics_page = MetricsPage(replica)
         self.bootstrap = ReplicaBootstrap(replica, bootstrap_port, self._peer_bootstrap)
-        self.api = ReplicaApi(replica, self.bootstrap, self.registry, self.stats, self._apply_fault)
+        self.api = ReplicaApi(replica, self.bootstrap, self.metrics_page, self.stats, self._apply_fault)
         self._web_server: web.Server | None = None
         self._listener: asyncio.base_events.Server | None = None
 
