@@ -41,6 +41,7 @@ import yaml
 from rich.console import Console
 
 from kvgate.loadgen.cli import add_workload_arguments, drive, load_workload, run_config
+from kvgate.loadgen.interference import Timeline, imposed_waits
 from kvgate.loadgen.plots import write_plots
 from kvgate.loadgen.procs import ChildProcess, interrupt_on_sigterm, parse_cpu_list, pin_threads
 from kvgate.loadgen.report import (
@@ -399,8 +400,9 @@ def vllm_router_gateway(args: argparse.Namespace, out_dir: Path, fleet: BenchFle
 
 def attach_engine_view(records: list[RequestRecord], fleet: BenchFleet) -> None:
     """Fill in what the sim replicas saw (their /sim/requests, matched by X-Request-Id): each request's TTFT and
-    inter-token gaps on the model clock, and the replica that served it when the router did not say (a peer router
-    sends no x-kvgate-replica header). Wall-clock latencies on a shared machine include CPU starvation of the sim
+    inter-token gaps on the model clock, its time in the engine's queue and loading cached tiers, the waiting its
+    prefill imposed on its replica's other requests (:func:`~kvgate.loadgen.interference.imposed_waits`), and the
+    replica that served it when the router did not say (a peer router sends no x-kvgate-replica header). Wall-clock latencies on a shared machine include CPU starvation of the sim
     and the router; the model clock counts only the queueing, prefill and decoding the routing decision caused.
 
     A request served in two legs — a prefill-only leg on one replica, the answer on another that pulled its KV —
@@ -413,7 +415,8 @@ def attach_engine_view(records: list[RequestRecord], fleet: BenchFleet) -> None:
             entries = resp.json().get("requests", []) if resp.status_code == 200 else []
         except (httpx.HTTPError, ValueError):
             continue
-        for entry in entries:
+        imposed = imposed_waits({str(i): timeline for i, e in enumerate(entries) if (timeline := _timeline(e))})
+        for i, entry in enumerate(entries):
             request_id = (entry.get("headers") or {}).get("x-request-id")
             record = by_id.get(request_id)
             if record is None:
@@ -429,12 +432,17 @@ def attach_engine_view(records: list[RequestRecord], fleet: BenchFleet) -> None:
             queue = entry.get("queue_ms")
             if isinstance(queue, (int, float)):
                 record.engine_queue_ms = float(queue)
+            load = entry.get("load_ms")
+            if isinstance(load, (int, float)):
+                record.engine_load_ms = float(load)
+            record.engine_interference_ms = imposed.get(str(i))
             gaps = entry.get("itl_ms")
             if isinstance(gaps, list):
                 record.engine_itl_ms = [float(g) for g in gaps if isinstance(g, (int, float))]
     for request_id, leg_ms in first_legs.items():
         record = by_id[request_id]
-        record.engine_queue_ms = None  # two queues: not one the prediction's queue term can be held to
+        # two queues: not one the prediction's terms can be held to
+        record.engine_queue_ms = record.engine_load_ms = record.engine_interference_ms = None
         if record.engine_ttft_ms is not None:
             record.engine_ttft_ms += leg_ms
 
@@ -464,9 +472,21 @@ def attach_predictions(records: list[RequestRecord], logs: list[Path], time_scal
             ttft, queue = fields.get("predicted_ttft_ms"), fields.get("predicted_queue_ms")
             if isinstance(ttft, (int, float)) and isinstance(queue, (int, float)):
                 record.predicted_ttft_ms, record.predicted_queue_ms = float(ttft) / scale, float(queue) / scale
+            load, interference = fields.get("predicted_load_ms"), fields.get("predicted_interference_ms")
+            if isinstance(load, (int, float)) and isinstance(interference, (int, float)):
+                record.predicted_load_ms = float(load) / scale
+                record.predicted_interference_ms = float(interference) / scale
             own, upstream = fields.get("ttft_ms"), fields.get("upstream_ttft_ms")
             if isinstance(own, (int, float)) and isinstance(upstream, (int, float)):
                 record.gateway_ttft_ms, record.upstream_ttft_ms = float(own), float(upstream)
+
+
+def _timeline(entry: dict[str, Any]) -> Timeline | None:
+    """A /sim/requests entry's times on its replica's engine clock, when it has them."""
+    times = (entry.get("arrival_clock_ms"), entry.get("scheduled_clock_ms"), entry.get("first_token_clock_ms"))
+    if not isinstance(times[0], (int, float)) or not all(t is None or isinstance(t, (int, float)) for t in times):
+        return None
+    return Timeline(*times)
 
 
 def _is_first_leg(entry: dict[str, Any]) -> bool:

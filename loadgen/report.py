@@ -258,41 +258,60 @@ def tail_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> l
     return ["", heading, ""] + lines if lines else []
 
 
-AUDIT_TERMS = ("ttft", "queue", "prefill")
-"""The terms of kvgate's predicted TTFT the audit holds to the engine's clock: the whole, the queue delay, and the
-rest (prefill and loads of lower tiers)."""
+AUDIT_TERMS = ("ttft", "queue", "load", "prefill", "interference")
+"""The terms of kvgate's prediction the audit holds to the engine's clock: the TTFT, its queue delay, its load of
+cached tiers and the rest (prefill), and the delay the request's prefill imposes on its replica's other arrivals,
+which is no part of its own TTFT."""
 
 
 def prediction_audit(records: Sequence[RequestRecord]) -> dict[str, Any]:
-    """kvgate's predicted TTFT against the engine's model clock, per term, over the one-leg requests that have
-    both: ``audit_compared``, and per term its bias (median of predicted − engine) and its mean absolute error. A
-    term that is persistently off shows as a bias; one that predicts nothing as an error as large as the term."""
-    pairs = [(r.predicted_ttft_ms, r.predicted_queue_ms, r.engine_ttft_ms, r.engine_queue_ms) for r in records
-             if r.predicted_ttft_ms is not None and r.predicted_queue_ms is not None
+    """kvgate's predictions against the engine's model clock, per term, over the one-leg requests that have both
+    sides of it (``audit_compared``: those with a TTFT and queue on both): per term its bias (median of predicted −
+    engine) and its mean absolute error. A term that is persistently off shows as a bias; one that predicts nothing
+    as an error as large as the term. The interference term is also compared in total
+    (``audit_interference_total_ratio``, predicted over imposed): most single requests impose little or nothing,
+    and what the term is for is the fleet's sum."""
+    timed = [r for r in records if r.predicted_ttft_ms is not None and r.predicted_queue_ms is not None
              and r.engine_ttft_ms is not None and r.engine_queue_ms is not None]
+    loaded = [r for r in timed if r.predicted_load_ms is not None and r.engine_load_ms is not None]
+    imposing = [r for r in timed if r.predicted_interference_ms is not None and r.engine_interference_ms is not None]
     errors: dict[str, list[float]] = {
-        "ttft": [p - e for p, _, e, _ in pairs],
-        "queue": [pq - eq for _, pq, _, eq in pairs],
-        "prefill": [(p - pq) - (e - eq) for p, pq, e, eq in pairs],
+        "ttft": [r.predicted_ttft_ms - r.engine_ttft_ms for r in timed],  # type: ignore[operator]
+        "queue": [r.predicted_queue_ms - r.engine_queue_ms for r in timed],  # type: ignore[operator]
+        "load": [r.predicted_load_ms - r.engine_load_ms for r in loaded],  # type: ignore[operator]
+        "prefill": [
+            (r.predicted_ttft_ms - r.predicted_queue_ms - r.predicted_load_ms)  # type: ignore[operator]
+            - (r.engine_ttft_ms - r.engine_queue_ms - r.engine_load_ms)  # type: ignore[operator]
+            for r in loaded
+        ],
+        "interference": [r.predicted_interference_ms - r.engine_interference_ms  # type: ignore[operator]
+                         for r in imposing],
     }
-    out: dict[str, Any] = {"audit_compared": len(pairs)}
+    out: dict[str, Any] = {"audit_compared": len(timed)}
     for term in AUDIT_TERMS:
         values = errors[term]
         out[f"audit_{term}_bias_ms"] = statistics.median(values) if values else math.nan
         out[f"audit_{term}_mae_ms"] = _mean([abs(v) for v in values])
+    imposed = sum(r.engine_interference_ms for r in imposing)  # type: ignore[misc]
+    predicted = sum(r.predicted_interference_ms for r in imposing)  # type: ignore[misc]
+    out["audit_interference_total_ratio"] = predicted / imposed if imposed > 0 else math.nan
     return out
 
 
 def audit_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> list[str]:
     """The prediction audit per kvgate run that priced its replicas (the cost policy): per term, bias and mean
-    absolute error against the engine's clock."""
+    absolute error against the engine's clock, and the interference term's total against what was imposed."""
     lines: list[str] = []
     for name, summary in summaries.items():
         compared = summary.get("audit_compared")
         if _missing(compared) or not compared:
             continue
         parts = [f"{term} bias {summary[f'audit_{term}_bias_ms']:+.1f} ms, "
-                 f"|error| {summary[f'audit_{term}_mae_ms']:.1f}" for term in AUDIT_TERMS]
+                 f"|error| {summary[f'audit_{term}_mae_ms']:.1f}" for term in AUDIT_TERMS
+                 if not _missing(summary.get(f"audit_{term}_bias_ms"))]
+        ratio = summary.get("audit_interference_total_ratio")
+        if not _missing(ratio):
+            parts.append(f"interference predicted in total {ratio:.2f}× what prefills imposed")
         lines.append(f"- {name} ({compared:,.0f} requests): " + "; ".join(parts))
     heading = ("Predicted TTFT against the engine's clock (predicted − engine), per term"
                + (" (median across repeats)" if medians else "") + ":")

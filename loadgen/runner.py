@@ -63,11 +63,20 @@ class RequestRecord:
     engine_queue_ms: float | None = None
     """Time in the engine's waiting queue on its model clock (one-leg requests only); filled in like
     ``engine_ttft_ms``."""
+    engine_load_ms: float | None = None
+    """Of ``engine_ttft_ms``, the time its cached tiers' blocks took to load back (one-leg requests only)."""
+    engine_interference_ms: float | None = None
+    """The waiting its prefill imposed on the other requests of its replica, on the engine's clock
+    (:func:`~kvgate.loadgen.interference.imposed_waits`; one-leg requests only)."""
     predicted_ttft_ms: float | None = None
     """kvgate's predicted TTFT for the request on the replica that served it, from its request log line (None for
     other routers, and for policies that price no replica)."""
     predicted_queue_ms: float | None = None
     """The queue delay within ``predicted_ttft_ms``."""
+    predicted_load_ms: float | None = None
+    """The load of cached tiers within ``predicted_ttft_ms`` (requests routed where the policy priced them)."""
+    predicted_interference_ms: float | None = None
+    """The delay kvgate predicted its prefill would impose on the replica's other arrivals (same requests)."""
     gateway_ttft_ms: float | None = None
     """kvgate's own TTFT for the request (wall clock, from its arrival at the gateway), from its request log line."""
     upstream_ttft_ms: float | None = None

@@ -121,6 +121,12 @@ class Decision:
     ttft_ms: dict[str, float] | None = None
     """Each eligible replica's predicted TTFT for a local prefill (queue delay included), when the policy priced them
     (the cost policy does), so the gateway need not price them again for the attempts' deadlines."""
+    load_ms: float | None = None
+    """For a ``route`` the policy priced: the part of the chosen replica's predicted TTFT spent loading its cached
+    tiers' blocks back. Held to the engine's outcome by the benchmark's prediction audit."""
+    interference_ms: float | None = None
+    """For a ``route`` the policy priced: the delay its prefill is predicted to impose on the other requests arriving
+    at the chosen replica while it runs. Held to the engine's outcome like ``load_ms``."""
 
 
 class Policy(Protocol):

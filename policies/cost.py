@@ -168,6 +168,7 @@ class CostPolicy:
         if any(c.transfer is None for c in near):
             near = [c for c in near if c.transfer is None]
         chosen = self._rng.choice(near)
+        local = chosen.transfer is None and not chosen.disaggregated
 
         details: dict[str, object] = {}
         if explain:
@@ -185,6 +186,8 @@ class CostPolicy:
             ranked=self._ranked(chosen, [c for c in alternatives if not c.disaggregated] if split else candidates),
             details=details,
             ttft_ms={name: e.ttft_ms for name, e in estimates.items()},
+            load_ms=estimates[chosen.view.name].load_ms if local else None,
+            interference_ms=chosen.interference_ms if local else None,
         )
 
     def _candidate(

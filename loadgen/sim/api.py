@@ -424,6 +424,9 @@ def request_record(req: SimRequest) -> dict[str, Any]:
         "transfer_status": req.transfer_status, "kv_transfer_params_out": req.kv_transfer_params_out,
         "status": req.state.value if req.state is not State.WAITING else "running",
         "abort_reason": req.abort_reason, "queue_ms": queue, "ttft_ms": ttft, "wall_ttft_ms": wall,
+        "load_ms": req.load_ms if req.scheduled_clock_ms is not None else None,
+        "arrival_clock_ms": req.arrival_clock_ms, "scheduled_clock_ms": req.scheduled_clock_ms,
+        "first_token_clock_ms": req.first_token_clock_ms,
         "itl_ms": [round(b - a, 3) for a, b in zip(clocks, clocks[1:])],
     }
 

@@ -83,6 +83,8 @@ class SimRequest:
     alloc: Allocation = field(default_factory=Allocation)
     pending_load: list[BlockKey] = field(default_factory=list)
     ready_at_ms: float = 0.0
+    load_ms: float = 0.0
+    """Of its last admission, the time its cached tiers' blocks (and a pulled KV) took to load before its prefill."""
     output: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     transferred_tokens: int = 0
@@ -473,6 +475,7 @@ class Engine:
         elif req.remote is not None:
             req.transfer_status = "fallback"
             self.stats.transfers_fallback += 1
+        req.load_ms = load_ms
         req.ready_at_ms = self.clock_ms + load_ms
         req.scheduled_clock_ms = self.clock_ms
         req.state = State.RUNNING

@@ -159,20 +159,28 @@ class Accounting:
             m.ttft.labels(hit).observe(ttft_ms / 1000.0)
         if end == "ok" and up.status == 200:
             calibrate(routed, up, usage, first_token=stream)
-        priced = routed.decision.ttft_ms
+        decision = routed.decision
+        priced = decision.ttft_ms
         predicted_ttft = priced.get(up.replica) if priced is not None else None
+        chosen = up.replica == decision.replica
         self.request_log.request(
             id=request.request_id, tenant=request.tenant, api=api.name if api is not None else None,
             model=request.model, replica=up.replica,
-            decision=routed.decision.reason, action=routed.decision.action, prompt_tokens=request.prompt_tokens,
+            decision=decision.reason, action=decision.action, prompt_tokens=request.prompt_tokens,
             matched_tokens=matched, predicted_tokens=predicted, cached_tokens=cached,
             predicted_ttft_ms=None if predicted_ttft is None else round(predicted_ttft, 3),
             predicted_queue_ms=None if predicted_ttft is None else round(routed.queue_delay_ms(up.replica), 3),
+            predicted_load_ms=_rounded(decision.load_ms) if chosen else None,
+            predicted_interference_ms=_rounded(decision.interference_ms) if chosen else None,
             ttft_ms=round(ttft_ms, 3) if stream else None,
             upstream_ttft_ms=round(up.engine_ms, 3) if stream else None,
             e2e_ms=round(e2e_ms, 3), status=status,
             attempts=up.attempts, stream=stream,
         )
+
+
+def _rounded(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
 
 
 def parity_sample(routed: Routed, api: Api, replica: str, usage: Usage) -> Sample:

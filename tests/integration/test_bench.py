@@ -53,6 +53,8 @@ def test_tiny_bench_end_to_end(tmp_path: Path) -> None:
     cost = doc["summaries"]["cost"]
     assert cost["audit_compared"] == 20 and doc["summaries"]["round_robin"]["audit_compared"] == 0
     assert all(r["predicted_ttft_ms"] > 0 and r["engine_queue_ms"] is not None for r in doc["requests"]["cost"])
+    assert all(r["predicted_interference_ms"] is not None and r["engine_interference_ms"] is not None
+               and r["engine_load_ms"] is not None for r in doc["requests"]["cost"])
     assert cost["audit_prefill_mae_ms"] >= 0 and cost["audit_ttft_mae_ms"] >= 0
     # The copies audit: round robin sends each group's next question to the other replica, recomputing its
     # 640-token system prompt there, and later questions of the group reuse that copy.

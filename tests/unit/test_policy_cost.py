@@ -79,6 +79,9 @@ def test_recomputing_elsewhere_is_charged_the_delay_it_imposes_on_that_replicas_
     rows = decision.details["replicas"]
     assert rows["idle"]["interference_ms"] == pytest.approx(2.5 * rows["idle"]["prefill_ms"] ** 2 / 2000)
     assert rows["idle"]["interference_ms"] > 30 > rows["warm"]["interference_ms"]
+    # the chosen replica's terms, which the gateway logs for the prediction audit
+    assert decision.interference_ms == pytest.approx(rows["warm"]["interference_ms"])
+    assert decision.load_ms == 0
     # An idle replica nobody sends to imposes on no one: the recompute wins again.
     quiet = [fleet[0], view("idle")]
     assert policy(EXACT).decide(request(prompt), quiet).replica == "idle"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.loadgen.report import (
-    compare, inflight_timeline, load_imbalance, percentile, schedule_warning, summarize, tail_lines, write_results,
+    audit_lines, compare, inflight_timeline, load_imbalance, percentile, schedule_warning, summarize, tail_lines, write_results,
 )
 from kvgate.loadgen.runner import RequestRecord
 from kvgate.loadgen.workloads.oracle import IdealPrefill
@@ -148,20 +148,31 @@ def test_results_are_strict_json(tmp_path: Path) -> None:
     assert "| TTFT mean (ms) | n/a | n/a |" in (tmp_path / "report.md").read_text()
 
 
-def test_the_prediction_audit_splits_the_error_into_queue_and_prefill() -> None:
+def test_the_prediction_audit_splits_the_error_into_its_terms() -> None:
     records = [record(i, "a", 0.0, 0.1, 0.2) for i in range(4)]
-    # (predicted ttft, predicted queue) against (engine ttft, engine queue): the queue over-predicted by 40 ms and
-    # the prefill under-predicted by 10 ms in every request but the last, which the engine never reported.
-    pairs = [(100, 50, 70, 10), (200, 60, 170, 20), (90, 40, 60, 0), (80, 0, None, None)]
-    for r, (pt, pq, et, eq) in zip(records, pairs):
-        r.predicted_ttft_ms, r.predicted_queue_ms, r.engine_ttft_ms, r.engine_queue_ms = pt, pq, et, eq
+    # (predicted ttft, queue, load) against (engine ttft, queue, load): the queue over-predicted by 40 ms, the load
+    # under-predicted by 5 ms and the prefill by 10 in every request but the last, which the engine never reported.
+    pairs = [(100, 50, 0, 75, 10, 5), (200, 60, 10, 175, 20, 15), (90, 40, 0, 65, 0, 5), (80, 0, 0, None, None, None)]
+    for r, (pt, pq, pl, et, eq, el) in zip(records, pairs):
+        r.predicted_ttft_ms, r.predicted_queue_ms, r.predicted_load_ms = pt, pq, pl
+        r.engine_ttft_ms, r.engine_queue_ms, r.engine_load_ms = et, eq, el
+    # the interference term: 30 ms predicted for each, against 0, 20 and 100 ms imposed
+    for r, (predicted, imposed) in zip(records, [(30, 0), (30, 20), (30, 100), (30, None)]):
+        r.predicted_interference_ms, r.engine_interference_ms = predicted, imposed
     audit = summarize(records)
     assert audit["audit_compared"] == 3
-    assert audit["audit_ttft_bias_ms"] == pytest.approx(30) and audit["audit_ttft_mae_ms"] == pytest.approx(30)
+    assert audit["audit_ttft_bias_ms"] == pytest.approx(25) and audit["audit_ttft_mae_ms"] == pytest.approx(25)
     assert audit["audit_queue_bias_ms"] == pytest.approx(40) and audit["audit_queue_mae_ms"] == pytest.approx(40)
+    assert audit["audit_load_bias_ms"] == pytest.approx(-5) and audit["audit_load_mae_ms"] == pytest.approx(5)
     assert audit["audit_prefill_bias_ms"] == pytest.approx(-10) and audit["audit_prefill_mae_ms"] == pytest.approx(10)
+    assert audit["audit_interference_bias_ms"] == pytest.approx(10)
+    assert audit["audit_interference_mae_ms"] == pytest.approx((30 + 10 + 70) / 3)
+    assert audit["audit_interference_total_ratio"] == pytest.approx(90 / 120)
+    line = audit_lines({"cost": audit})[-1]
+    assert "load bias -5.0 ms, |error| 5.0" in line and "interference predicted in total 0.75×" in line
     blind = summarize([record(0, "a", 0.0, 0.1, 0.2)])  # a router that predicts nothing
     assert blind["audit_compared"] == 0 and math.isnan(blind["audit_ttft_bias_ms"])
+    assert audit_lines({"round_robin": blind}) == []
 
 
 def test_the_tail_audit_describes_the_slowest_percent_against_every_request() -> None:
