@@ -41,8 +41,11 @@ class ServerConfig(Section):
     """On SIGTERM/SIGINT: stop accepting, let in-flight streams finish up to this long, then cancel them."""
     log_requests: bool = True
     """One JSON line per request at info level."""
-    keep_alive_timeout_s: float = Field(5.0, gt=0)
-    """An idle client connection is closed this long after its last response."""
+    keep_alive_timeout_s: float = Field(75.0, gt=0)
+    """An idle client connection is closed this long after its last response. Longer than clients and load
+    balancers keep idle connections (httpx, under the openai and anthropic SDKs: 5 s; aiohttp: 15 s; cloud load
+    balancers: 60 s), so they close first: a server that closes first can do so just as a request is sent on the
+    connection, and the client gets a reset for a request kvgate never read (nginx's default, 75 s)."""
     body_timeout_s: float = Field(30.0, gt=0)
     """A request body must arrive in full within this long, else 408: slow-body clients cannot hold a request."""
     header_timeout_s: float = Field(10.0, gt=0)

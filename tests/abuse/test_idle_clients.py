@@ -45,3 +45,26 @@ def test_an_idle_connection_is_closed_after_the_keep_alive_timeout(tmp_path: Pat
             gw.stop()
     finally:
         sim.stop()
+
+
+def test_clients_and_their_load_balancers_close_idle_connections_before_kvgate_does() -> None:
+    """A server that closes an idle connection first can close it just as the client sends a request on it: the
+    client gets a reset for a request the gateway never read. The official SDKs (httpx underneath), aiohttp and cloud
+    load balancers (60 s) all give up their idle connections sooner than kvgate does by default."""
+    import inspect
+
+    import aiohttp
+    import anthropic._constants
+    import openai._constants
+
+    from kvgate.router.core.config import ServerConfig
+
+    aiohttp_idle_s = 15.0  # aiohttp's keepalive_timeout when none is given (its signature holds a sentinel)
+    assert "keepalive_timeout" in inspect.signature(aiohttp.TCPConnector.__init__).parameters
+    client_idle_s = [
+        openai._constants.DEFAULT_CONNECTION_LIMITS.keepalive_expiry,
+        anthropic._constants.DEFAULT_CONNECTION_LIMITS.keepalive_expiry,
+        aiohttp_idle_s,
+        60.0,
+    ]
+    assert all(s is not None and s < ServerConfig().keep_alive_timeout_s for s in client_idle_s)
