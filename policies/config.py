@@ -39,9 +39,10 @@ class CostPolicyConfig(Section):
     approximate_match_weight: float = Field(0.5, ge=0, le=1)
     """Matches computed from approximate token ids are credited at this fraction."""
     interference_weight: float = Field(1.0, ge=0)
-    """Weight of the delay a candidate's prefill imposes on the other requests arriving at that replica while it runs
-    (queue scale × arrival rate × prefill² / 2: a queue delay, scaled as calibration scales the queue term), added to
-    its predicted TTFT when candidates are compared; 0 compares TTFT alone."""
+    """Weight of the delay a candidate's prefill imposes on the other requests arriving at that replica while it waits
+    there and while it runs (queue scale × arrival rate × prefill × (queue delay + prefill / 2): a queue delay,
+    scaled as calibration scales the queue term), added to its predicted TTFT when candidates are compared; 0
+    compares TTFT alone."""
     eviction_weight: float = Field(1.0, ge=0)
     """Weight of the prefill the fleet is expected to lose to the evictions a candidate's copy causes on a full
     replica (its new tokens beyond the fewest any candidate must store, beyond its free room, × its cache's value per

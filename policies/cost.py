@@ -62,7 +62,7 @@ class CostPolicy:
     (:class:`policies.cost_model.CostModel`); when a KV connector is configured, also predict pulling the longest
     prefix any replica can source (routable or draining, see ``ReplicaView.can_source``) to each other replica.
     Candidates are compared on predicted TTFT plus the delay their prefill imposes on the requests that will arrive
-    at that replica while it runs (``interference_weight`` × :meth:`CostModel.interference_ms`): what the benchmark
+    at that replica while it waits and runs there (``interference_weight`` × :meth:`CostModel.interference_ms`): what the benchmark
     and the fleet's users feel is the mean TTFT over all requests, not this one's alone. Without it, a request
     whose holder is briefly busy recomputes a long prefix on an idle replica to save itself a few milliseconds and
     holds up that replica's next arrivals for far longer. Also added (``eviction_weight``): the prefill the fleet will
@@ -141,7 +141,7 @@ class CostPolicy:
         for v in views:
             e = estimates[v.name]
             candidates.append(self._candidate(
-                v, e.ttft_ms, e.prefill_ms, self._interference(rates[v.name], e.prefill_ms),
+                v, e.ttft_ms, e.prefill_ms, self._interference(rates[v.name], e.prefill_ms, queues[v.name]),
                 self._eviction(v, e.new_tokens, least_new), None, self._stall(v, e.prefill_ms) if split else 0.0,
             ))
         source = None
@@ -258,9 +258,9 @@ class CostPolicy:
             estimate = self.cost_model.handoff_estimate(
                 request, prefill, decode, queues[prefill.name], queues[decode.name]
             )
-            interference = self._interference(prefill.arrival_rate_per_s, estimate.source_prefill_ms) + (
-                self._interference(rates[decode.name], estimate.dest_step_ms)
-            )
+            interference = self._interference(
+                prefill.arrival_rate_per_s, estimate.source_prefill_ms, queues[prefill.name]
+            ) + self._interference(rates[decode.name], estimate.dest_step_ms, queues[decode.name])
             found.append(self._candidate(
                 decode, estimate.ms, estimate.source_prefill_ms + estimate.dest_step_ms, interference,
                 self._eviction(decode, estimate.tokens, least_new), estimate,
@@ -286,8 +286,10 @@ class CostPolicy:
             return candidates
         return candidates + disaggregated
 
-    def _interference(self, arrival_rate_per_s: float, work_ms: float) -> float:
-        return self.cost_model.interference_ms(arrival_rate_per_s, work_ms) if self.config.interference_weight else 0.0
+    def _interference(self, arrival_rate_per_s: float, work_ms: float, wait_ms: float = 0.0) -> float:
+        if not self.config.interference_weight:
+            return 0.0
+        return self.cost_model.interference_ms(arrival_rate_per_s, work_ms, wait_ms)
 
     def _eviction(self, view: ReplicaView, new_tokens: int, least_new: int) -> float:
         return copy_eviction_ms(view, new_tokens, least_new) if self.config.eviction_weight else 0.0
@@ -333,9 +335,9 @@ class CostPolicy:
             if estimate is not None and estimate.ms < estimates[dest.name].ttft_ms:
                 work = estimate.source_prefill_ms + estimate.dest_step_ms
                 source_rate = rates.get(source.name, source.arrival_rate_per_s)  # a draining source is not eligible
-                interference = self._interference(source_rate, estimate.source_prefill_ms) + self._interference(
-                    rates[dest.name], estimate.dest_step_ms
-                )
+                interference = self._interference(
+                    source_rate, estimate.source_prefill_ms, queues[source.name]
+                ) + self._interference(rates[dest.name], estimate.dest_step_ms, queues[dest.name])
                 eviction = self._eviction(dest, estimate.tokens, least_new)
                 found.append(self._candidate(dest, estimate.ms, work, interference, eviction, estimate))
         return found

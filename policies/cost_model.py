@@ -231,11 +231,13 @@ class CostModel:
         prefill, once. What prefill/decode disaggregation exists to avoid."""
         return cls.decoding(view) * work_ms
 
-    def interference_ms(self, arrival_rate_per_s: float, work_ms: float) -> float:
-        """Delay that ``work_ms`` of prefill started on a replica now adds to the other requests arriving there while
-        it runs: ``queue_scale · λ·work²/2`` (λ = the replica's expected arrival rate,
-        :func:`policies.load.expected_arrival_rates`; each of the ``λ·work`` arrivals finds it in the work ahead of
-        it and waits half of it on average, the residual-work term of an M/G/1 queue).
+    def interference_ms(self, arrival_rate_per_s: float, work_ms: float, wait_ms: float = 0.0) -> float:
+        """Delay that ``work_ms`` of prefill, placed on a replica where it first waits ``wait_ms``, adds to the other
+        requests arriving there: ``queue_scale · λ·work·(wait + work/2)`` (λ = the replica's expected arrival rate,
+        :func:`policies.load.expected_arrival_rates`). The ``λ·wait`` requests that arrive while it waits line up
+        behind it and wait all of it; the ``λ·work`` that arrive while it runs find it in the work ahead and wait
+        half of it on average (the residual-work term of an M/G/1 queue). Under load, most of the requests a prefill
+        holds up were behind it before it started.
 
         It is a queue delay, other requests', so it is scaled as the queue term is: by ``queue_scale``, the
         calibrator's measure of how much of the work ahead a request really waits for (an engine that batches the
@@ -243,10 +245,10 @@ class CostModel:
         leans on it no more than on the queue term.
 
         The request's own TTFT does not show this cost, the fleet's mean TTFT does: recomputing a 4,000-token prefix
-        (~160 ms) on a replica taking 2.5 requests/s holds up its next arrivals by ~30 ms in total, while a
+        (~160 ms) on an idle replica taking 2.5 requests/s holds up its next arrivals by ~30 ms in total, while a
         warm 250-token prefill there costs them ~1 ms.
         """
-        return self.prefill.queue_scale * arrival_rate_per_s * work_ms * work_ms / 2000.0
+        return self.prefill.queue_scale * arrival_rate_per_s * work_ms * (wait_ms + work_ms / 2.0) / 1000.0
 
     def session_load_ms(self, arrival_rate_per_s: float, turn_ms: float, turns: float) -> float:
         """What ``turns`` later turns of a session, ``turn_ms`` of prefill each, cost the fleet on a replica taking

@@ -63,13 +63,14 @@ def test_warm_wins_until_its_queue_eats_the_saving() -> None:
 
 
 def test_recomputing_elsewhere_is_charged_the_delay_it_imposes_on_that_replicas_arrivals() -> None:
-    # 4,352-token prompt, 4,096 held by "warm", which is busy with one cold prefill (20 + 0.035 x 4,352 ms ahead).
-    # Predicted TTFT: warm 172 + 29 = 201 ms, idle 172 ms: on its own, the request would rather recompute.
+    # 4,352-token prompt, 4,096 held by "warm", which is busy with one cold prefill (20 + 0.035 x 3,800 ms ahead).
+    # Predicted TTFT: warm 153 + 29 = 182 ms, idle 172 ms: on its own, the request would rather recompute.
     # But "idle" takes 2.5 requests/s: its 172 ms recompute holds up 2.5 x 0.172 arrivals by 86 ms each (~37 ms),
-    # while the 29 ms warm prefill costs "warm"'s arrivals ~1 ms.
+    # while the 29 ms warm prefill holds up "warm"'s arrivals ~12 ms: the 2.5 x 0.153 that line up behind it while
+    # it waits wait all of it, the 2.5 x 0.029 during it half.
     prompt, held = 4352, 4096
     fleet = [
-        view("warm", gpu=held, queued=1, queued_tokens=prompt, arrival_rate_per_s=2.5),
+        view("warm", gpu=held, queued=1, queued_tokens=3800, arrival_rate_per_s=2.5),
         view("idle", arrival_rate_per_s=2.5),
     ]
     alone = policy(CostPolicyConfig(tie_margin=0, tie_margin_ms=0, session_bonus_ms=0, interference_weight=0))
@@ -78,7 +79,9 @@ def test_recomputing_elsewhere_is_charged_the_delay_it_imposes_on_that_replicas_
     assert (decision.replica, decision.reason) == ("warm", "warm")
     rows = decision.details["replicas"]
     assert rows["idle"]["interference_ms"] == pytest.approx(2.5 * rows["idle"]["prefill_ms"] ** 2 / 2000)
-    assert rows["idle"]["interference_ms"] > 30 > rows["warm"]["interference_ms"]
+    assert rows["warm"]["interference_ms"] == pytest.approx(2.5 * rows["warm"]["prefill_ms"] * (
+        rows["warm"]["queue_delay_ms"] + rows["warm"]["prefill_ms"] / 2) / 1000)
+    assert rows["idle"]["interference_ms"] > 30 > rows["warm"]["interference_ms"] > 10
     # the chosen replica's terms, which the gateway logs for the prediction audit
     assert decision.interference_ms == pytest.approx(rows["warm"]["interference_ms"])
     assert decision.load_ms == 0
@@ -89,19 +92,21 @@ def test_recomputing_elsewhere_is_charged_the_delay_it_imposes_on_that_replicas_
 
 def test_a_copy_onto_an_idle_replica_is_priced_at_the_fleets_mean_rate() -> None:
     # The holder of a 6,832-token document is still prefilling it (one request ahead): waiting there costs the
-    # whole prefill again plus this request's own 128 new tokens, about 24 ms more than recomputing on a replica
+    # whole prefill again plus this request's own 128 new tokens, about 20 ms more than recomputing on a replica
     # nobody has sent anything yet. At that replica's own rate (zero) the copy looks free; but the copy makes it a
-    # holder, and it will take its share of the fleet's traffic (mean 2 requests/s here): its 264 ms recompute then
-    # holds up ~70 ms of arrivals, so the request waits for the holder.
+    # holder, and it will take its share of the fleet's traffic (mean 5.1 requests/s here, two other replicas are
+    # busy): its 264 ms recompute then holds up ~180 ms of arrivals, so the request waits for the holder.
     doc, prompt = 6832, 6960
-    holder = view("holder", gpu=doc, queued=1, queued_tokens=prompt, arrival_rate_per_s=12.0)
+    holder = view("holder", gpu=doc, queued=1, queued_tokens=doc, arrival_rate_per_s=1.0)
+    busy = [view(f"busy{i}", queued=3, queued_tokens=30_000, arrival_rate_per_s=20.0) for i in range(2)]
     idle = [view(f"idle{i}") for i in range(5)]
-    decision = policy(EXACT).decide(request(prompt), [holder, *idle], explain=True)
+    decision = policy(EXACT).decide(request(prompt), [holder, *busy, *idle], explain=True)
     assert (decision.replica, decision.reason) == ("holder", "warm")
     rows = decision.details["replicas"]
+    assert rows["holder"]["predicted_ttft_ms"] > rows["idle0"]["predicted_ttft_ms"]
     assert rows["idle0"]["arrival_rate_per_s"] == 0
-    assert rows["idle0"]["expected_arrival_rate_per_s"] == pytest.approx(2.0)
-    assert rows["holder"]["expected_arrival_rate_per_s"] == pytest.approx(12.0)
+    assert rows["idle0"]["expected_arrival_rate_per_s"] == pytest.approx(41 / 8)
+    assert rows["holder"]["expected_arrival_rate_per_s"] == pytest.approx(1.0)
 
 
 def test_cold_prompts_are_not_priced_at_the_fleets_mean_rate() -> None:
