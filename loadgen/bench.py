@@ -402,8 +402,9 @@ def attach_engine_view(records: list[RequestRecord], fleet: BenchFleet) -> None:
     """Fill in what the sim replicas saw (their /sim/requests, matched by X-Request-Id): each request's TTFT and
     inter-token gaps on the model clock, its time in the engine's queue and loading cached tiers, the waiting its
     prefill imposed on its replica's other requests (:func:`~kvgate.loadgen.interference.imposed_waits`), and the
-    replica that served it when the router did not say (a peer router sends no x-kvgate-replica header). Wall-clock latencies on a shared machine include CPU starvation of the sim
-    and the router; the model clock counts only the queueing, prefill and decoding the routing decision caused.
+    replica that served it when the router did not say (a peer router sends no x-kvgate-replica header). Wall-clock
+    latencies on a shared machine include CPU starvation of the sim and the router; the model clock counts only the
+    queueing, prefill and decoding the routing decision caused.
 
     A request served in two legs — a prefill-only leg on one replica, the answer on another that pulled its KV —
     waited for both: its engine TTFT is the sum of the legs' TTFTs, its gaps and replica are the answering leg's."""
