@@ -126,7 +126,7 @@ class Decision:
     tiers' blocks back. Held to the engine's outcome by the benchmark's prediction audit."""
     interference_ms: float | None = None
     """For a ``route`` the policy priced: the delay its prefill is predicted to impose on the other requests arriving
-    at the chosen replica while it runs. Held to the engine's outcome like ``load_ms``."""
+    at the chosen replica while it waits and runs there. Held to the engine's outcome like ``load_ms``."""
 
 
 class Policy(Protocol):

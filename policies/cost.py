@@ -62,12 +62,13 @@ class CostPolicy:
     (:class:`policies.cost_model.CostModel`); when a KV connector is configured, also predict pulling the longest
     prefix any replica can source (routable or draining, see ``ReplicaView.can_source``) to each other replica.
     Candidates are compared on predicted TTFT plus the delay their prefill imposes on the requests that will arrive
-    at that replica while it waits and runs there (``interference_weight`` × :meth:`CostModel.interference_ms`): what the benchmark
-    and the fleet's users feel is the mean TTFT over all requests, not this one's alone. Without it, a request
-    whose holder is briefly busy recomputes a long prefix on an idle replica to save itself a few milliseconds and
-    holds up that replica's next arrivals for far longer. Also added (``eviction_weight``): the prefill the fleet will
-    lose to the evictions a candidate's copy causes on a full replica (:mod:`policies.capacity`) — a second copy of a
-    long document is not free when it displaces another document someone will ask for again. Only the copy is
+    at that replica while it waits and runs there (``interference_weight`` × :meth:`CostModel.interference_ms`):
+    what the benchmark and the fleet's users feel is the mean TTFT over all requests, not this one's alone. Without
+    it, a request whose holder is briefly busy recomputes a long prefix on an idle replica to save itself a few
+    milliseconds and holds up that replica's next arrivals for far longer. Also added (``eviction_weight``): the
+    prefill the fleet will lose to the evictions a candidate's copy causes on a full replica
+    (:mod:`policies.capacity`) — a second copy of a long document is not free when it displaces another document
+    someone will ask for again. Only the copy is
     priced, the blocks beyond the fewest any candidate must store (:func:`policies.capacity.copy_eviction_ms`). Pick
     the minimum. A transfer from a routable source never
     beats routing to that source (its first leg waits in the same queue); it wins when the warm replica takes no new

@@ -25,7 +25,9 @@ def replica_numbers(
     row["load"] = replica_load(view)
     row["arrival_rate_per_s"] = view.arrival_rate_per_s
     row["expected_arrival_rate_per_s"] = arrival_rate_per_s
-    row["interference_ms"] = cost_model.interference_ms(arrival_rate_per_s, estimate.prefill_ms, estimate.queue_delay_ms)
+    row["interference_ms"] = cost_model.interference_ms(
+        arrival_rate_per_s, estimate.prefill_ms, estimate.queue_delay_ms
+    )
     row["eviction_ms"] = copy_eviction_ms(view, estimate.new_tokens, least_new_tokens)
     row["free_tokens"] = free_tokens(view)
     row["cache_margin"] = None if view.cache_margin is None else view.cache_margin.as_dict()
