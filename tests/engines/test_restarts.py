@@ -48,6 +48,24 @@ def engine_truth(replica: VllmReplica, bodies: list[dict[str, Any]]) -> list[int
     return [state.reusable_tokens(tokenize(replica, body)) for body in bodies]
 
 
+def expect_engine_truth(gw: Gateway, replica: VllmReplica, bodies: list[dict[str, Any]], timeout_s: float,
+                        what: str) -> None:
+    """Wait until ``gw`` credits on ``replica`` what the engine's replay buffer says it holds, both read afresh
+    each time (the engine publishes a request's blocks around the time it answers, not strictly before)."""
+    latest: list[int] = []
+    truth: list[int] = []
+
+    def agrees() -> bool:
+        truth[:] = engine_truth(replica, bodies)
+        latest[:] = credits_for(gw, replica, bodies)
+        return latest == truth
+
+    try:
+        wait_for(agrees, timeout_s, what)
+    except AssertionError:
+        raise AssertionError(f"{what}: kvgate credits {latest} on {replica.name}, the engine holds {truth}") from None
+
+
 def process_start_time(replica: VllmReplica) -> float | None:
     for line in httpx.get(replica.url + "/metrics", timeout=10.0).text.splitlines():
         if line.startswith("process_start_time_seconds "):
@@ -108,12 +126,18 @@ def test_engine_restarts_graceful_and_killed(
         for gw in (default, patient):
             wait_for(lambda: all(row["healthy"] for row in rows(explain(gw, probe)).values()), 60.0,
                      "every replica healthy again")
+        by_name = {r.name: r for r in replicas}
         for c in range(2):
             body = {"messages": chat(unique_text(1200))}
             for label in ("cold", "warm"):
                 for gw in (default, patient):
                     turn, _ = send_checked(gw, body, f"after restart {c} {label}", stream=False)
                     assert turn.credited == turn.engine_cached, turn
+                    # The other gateway learns of this request only from the engine's events, which can trail the
+                    # reply: wait until both credit what the engine now holds before the next send.
+                    served = by_name[turn.replica]
+                    for watcher in (default, patient):
+                        expect_engine_truth(watcher, served, [body], 10.0, f"after restart {c} {label}")
     finally:
         patient.stop()
         default.stop()
