@@ -34,6 +34,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import NamedTuple
 
 from kvgate.cache_index.match import PrefixMatch, Tier
 
@@ -43,6 +44,17 @@ _SWEEP_AFTER = 8
 """Retired slots accumulated before one sweep of the index clears their bits."""
 _EVICTION_HEADROOM = 0.01
 """Evict this fraction of the cap below it at once, so a full index does not evict on every store."""
+
+
+class Survivors(NamedTuple):
+    """What a replica will still hold of a prefix once the blocks on their way there are allocated."""
+
+    blocks: int
+    """Leading blocks it will still hold, in some tier."""
+    cpu_blocks: int = 0
+    """Of those, blocks it holds on its GPU now but will then hold only in its CPU tier."""
+    storage_blocks: int = 0
+    """Likewise, only in its storage tier."""
 
 
 @dataclass(slots=True)
@@ -233,35 +245,49 @@ class PrefixIndex:
                     del lru[key]
                     lru[key] = None
 
-    def surviving_blocks(self, replica: str, keys: Sequence[int], capacity_blocks: int, incoming_blocks: int) -> int:
+    def surviving_blocks(
+        self, replica: str, keys: Sequence[int], capacity_blocks: int, incoming_blocks: int
+    ) -> Survivors:
         """How many leading ``keys`` (a prefix ``replica`` holds) it will still hold once ``incoming_blocks`` more
         blocks are allocated there, which is before a request sent now is scheduled (at least as many as are
-        predicted there and not confirmed yet).
+        predicted there and not confirmed yet), and how many of those it will then hold only in a lower tier.
 
         The engine first takes blocks no cached block occupies (``capacity_blocks`` less what it holds, none once
         it has evicted in this generation), then evicts from the front of its LRU queue. kvgate's order is an
         approximation, and the blocks it does not know (forgotten at a reset, stored before it subscribed) sit in
         front of it, so treating its first ``incoming - free`` blocks as lost errs towards crediting less: a lost
-        credit is a miss, a credited block the engine evicted is a wrong hit. The engine evicts a chain from its
-        tail, so the prefix is cut at its first block at risk.
+        credit is a miss, a credited block the engine evicted is a wrong hit. A block at risk that the replica also
+        holds in its CPU or storage tier (an offloading engine writes its blocks there as it computes them) stays
+        reusable, loaded from that tier. The engine evicts a chain from its tail, so the prefix is cut at its first
+        block at risk that no lower tier holds.
         """
         slot = self._slots.get(replica)
         lru = None if slot is None else self._lru.get(slot)
         holdings = self._replicas.get(replica)
-        if not lru or holdings is None or not keys:
-            return len(keys)
+        if not lru or holdings is None or not keys or slot is None:
+            return Survivors(len(keys))
         # Blocks predicted there and not yet confirmed were dispatched but their BlockStored, and the BlockRemoved
         # of the same step, have not been applied: they count even once the request has its first token.
         unconfirmed = len(self._predicted_deadlines.get(slot, ()))
         free = 0 if holdings.evicting else max(0, capacity_blocks - len(lru))
         at_risk = max(incoming_blocks, unconfirmed) - free
         if at_risk <= 0:
-            return len(keys)
+            return Survivors(len(keys))
         doomed = lru if at_risk >= len(lru) else set(islice(lru, at_risk))
+        shift = slot * _TIERS
+        cpu_bit, storage_bit = 1 << (shift + Tier.CPU), 1 << (shift + Tier.STORAGE)
+        holders = self._holders
+        cpu = storage = 0
         for i, key in enumerate(keys):
             if key in doomed:
-                return i
-        return len(keys)
+                mask = holders.get(key, 0)
+                if mask & cpu_bit:
+                    cpu += 1
+                elif mask & storage_bit:
+                    storage += 1
+                else:
+                    return Survivors(i, cpu, storage)
+        return Survivors(len(keys), cpu, storage)
 
     def held_blocks(self, replica: str) -> int:
         """Blocks ``replica`` holds, confirmed by its events, all tiers counted (0 for a replica never seen)."""

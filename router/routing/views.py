@@ -35,7 +35,8 @@ class ReplicaViews:
 
         vLLM announces an eviction only at the end of the step that made it, so on a full cache the least recently
         used blocks are credited while the requests already on their way (their uncached tokens, still to be
-        allocated) evict them. The index cuts the match at its first block within that reach."""
+        allocated) evict them. The index cuts the match at its first block within that reach that no lower tier
+        holds; the blocks within it that a lower tier holds are credited there, at its load cost."""
         replica = self.fleet.replicas.get(name)
         scraped = None if replica is None else self.fleet.fresh_scrape(replica)
         if replica is None or scraped is None or not scraped.num_gpu_blocks:
@@ -43,6 +44,11 @@ class ReplicaViews:
         matched = match.total // block_size
         incoming = -(-replica.in_flight_prefill_tokens // block_size)
         kept = self.index.surviving_blocks(name, keys[:matched], scraped.num_gpu_blocks, incoming)
-        if kept == matched:
+        if kept.blocks == matched and not kept.cpu_blocks and not kept.storage_blocks:
             return match
-        return self.index.lookup(keys[:kept], block_size).get(name) or PrefixMatch() if kept else PrefixMatch()
+        if not kept.blocks:
+            return PrefixMatch()
+        survived = self.index.lookup(keys[: kept.blocks], block_size).get(name) or PrefixMatch()
+        demoted = (kept.cpu_blocks + kept.storage_blocks) * block_size
+        return PrefixMatch(gpu=max(survived.gpu - demoted, 0), cpu=survived.cpu + kept.cpu_blocks * block_size,
+                           storage=survived.storage + kept.storage_blocks * block_size, predicted=survived.predicted)

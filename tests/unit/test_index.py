@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.cache_index.index import PrefixIndex
+from kvgate.cache_index.index import PrefixIndex, Survivors
 from kvgate.cache_index.keys import block_keys, namespace_key
 from kvgate.cache_index.match import PrefixMatch, Tier
 from tests.index_inspection import tiers_of
@@ -198,26 +198,47 @@ def test_a_full_cache_loses_its_least_recently_used_tail_first() -> None:
     index.store("a", old, Tier.GPU, 0)
     index.store("a", hot, Tier.GPU, 0)
     # Room for 8 more blocks: nothing is at risk yet.
-    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=8) == 4
+    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=8).blocks == 4
     # 2 blocks beyond the free ones: the old chain's last two go (tail first), the recent chain keeps all.
-    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=10) == 2
-    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=10) == 4
+    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=10).blocks == 2
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=10).blocks == 4
     # A dispatch of the old prompt makes it the most recent: now the other chain's tail is at risk.
     index.touch("a", old)
-    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=10) == 4
-    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=10) == 2
+    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=10).blocks == 4
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=10).blocks == 2
     # Once the engine has evicted in this generation it has no never-used blocks left, whatever kvgate knows of.
     index.evicted("a")
-    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=2) == 2
-    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=8) == 0
-    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=0) == 4
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=2).blocks == 2
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=8).blocks == 0
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=0).blocks == 4
     # Removed and forgotten blocks leave the order; a new generation has not evicted yet.
     index.remove("a", hot[3:], Tier.GPU)
-    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=4) == 3
+    assert index.surviving_blocks("a", old, capacity_blocks=16, incoming_blocks=4).blocks == 3
     index.reset_replica("a", 1, wiped=True)  # a restart or a cache reset: never-used blocks again
     index.store("a", hot, Tier.GPU, 1)
-    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=12) == 4
-    assert index.surviving_blocks("b", hot, capacity_blocks=16, incoming_blocks=100) == 4  # unknown: not ours to cut
+    assert index.surviving_blocks("a", hot, capacity_blocks=16, incoming_blocks=12).blocks == 4
+    # A replica kvgate knows nothing of: not ours to cut.
+    assert index.surviving_blocks("b", hot, capacity_blocks=16, incoming_blocks=100).blocks == 4
+
+
+def test_a_block_at_risk_on_the_gpu_survives_in_a_lower_tier_that_holds_it() -> None:
+    """An offloading engine keeps a copy of its blocks in its CPU (or storage) tier: the GPU copy's eviction leaves
+    the block reusable, loaded from there, so the prefix is cut only at a block at risk that no lower tier holds."""
+    index = PrefixIndex()
+    old = block_keys(namespace_key("m"), list(range(100, 100 + 4 * BS)), BS)
+    hot = block_keys(namespace_key("m"), list(range(200, 200 + 4 * BS)), BS)
+    index.store("a", old, Tier.GPU, 0)
+    index.store("a", hot, Tier.GPU, 0)
+    index.evicted("a")
+    index.store("a", old[:3], Tier.CPU, 0)
+    index.store("a", old[:1], Tier.STORAGE, 0)
+    # The old chain is wholly at risk on the GPU: its first three blocks stay, loaded from the CPU (the faster of
+    # the two tiers holding the first); the fourth is held nowhere else.
+    assert index.surviving_blocks("a", old, capacity_blocks=8, incoming_blocks=4) == Survivors(3, 3, 0)
+    index.store("a", hot[:2], Tier.STORAGE, 0)
+    assert index.surviving_blocks("a", hot, capacity_blocks=8, incoming_blocks=8) == Survivors(2, 0, 2)
+    # Out of reach of the allocations, a block stays on the GPU even where a lower tier holds it too.
+    assert index.surviving_blocks("a", hot, capacity_blocks=8, incoming_blocks=4) == Survivors(4)
 
 
 def test_unconfirmed_predictions_count_as_blocks_still_to_allocate() -> None:
@@ -228,11 +249,11 @@ def test_unconfirmed_predictions_count_as_blocks_still_to_allocate() -> None:
     new = block_keys(namespace_key("m"), list(range(300, 300 + 3 * BS)), BS)
     index.store("a", old, Tier.GPU, 0)
     index.evicted("a")
-    assert index.surviving_blocks("a", old, capacity_blocks=4, incoming_blocks=0) == 4
+    assert index.surviving_blocks("a", old, capacity_blocks=4, incoming_blocks=0).blocks == 4
     index.predict("a", new)
-    assert index.surviving_blocks("a", old, capacity_blocks=4, incoming_blocks=0) == 1
+    assert index.surviving_blocks("a", old, capacity_blocks=4, incoming_blocks=0).blocks == 1
     index.store("a", new, Tier.GPU, 0)  # confirmed (the same batch carried the evictions)
-    assert index.surviving_blocks("a", old, capacity_blocks=4, incoming_blocks=0) == 4
+    assert index.surviving_blocks("a", old, capacity_blocks=4, incoming_blocks=0).blocks == 4
 
 
 def test_a_replica_that_was_evicting_still_is_after_a_reset_that_kept_its_cache() -> None:
@@ -244,10 +265,10 @@ def test_a_replica_that_was_evicting_still_is_after_a_reset_that_kept_its_cache(
     index.evicted("a")
     index.reset_replica("a", 1)
     index.store("a", k, Tier.GPU, 1)
-    assert index.surviving_blocks("a", k, capacity_blocks=100, incoming_blocks=2) == 2
+    assert index.surviving_blocks("a", k, capacity_blocks=100, incoming_blocks=2).blocks == 2
     index.reset_replica("a", 2, wiped=True)
     index.store("a", k, Tier.GPU, 2)
-    assert index.surviving_blocks("a", k, capacity_blocks=100, incoming_blocks=2) == 4
+    assert index.surviving_blocks("a", k, capacity_blocks=100, incoming_blocks=2).blocks == 4
 
 
 def test_unpredict_drops_predictions_and_keeps_confirmed_blocks() -> None:
