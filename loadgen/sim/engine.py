@@ -458,7 +458,7 @@ class Engine:
         if private > pool.available() - evictable_hits:
             return False
         pool.pin(req.alloc, gpu_keys)
-        pool.touch_cpu(cpu_keys)  # before allocating: its evictions demote blocks into the CPU tier
+        pool.touch_cpu(cpu_keys)
         pool.allocate(req.alloc, private)
         hit_blocks = len(gpu_keys) + len(transfer_keys) + len(cpu_keys)
         if not req.preempted:  # readmitted after a preemption, it reports its first admission's hits

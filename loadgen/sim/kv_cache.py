@@ -4,8 +4,9 @@ Rules kept from vLLM's ``BlockPool``: only full blocks are cached, a block is fo
 running requests are pinned (reference counted), and unreferenced cached blocks stay reusable until evicted in LRU
 order (a finished request's blocks are queued tail first, so its last blocks go first). Every change is appended to
 ``events`` as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``; the engine publishes them once per step.
-With a CPU tier, an evicted GPU block is demoted (``BlockRemoved`` GPU + ``BlockStored`` CPU, like vLLM's offloading
-connector) and a later hit there is loaded back instead of recomputed.
+With a CPU tier, a request's blocks are written there as well when it ends (``BlockStored`` CPU, as vLLM's offloading
+connector stores what a request computed), the tier evicting its own least recently used blocks, so a block the GPU
+evicts later is loaded back from the CPU instead of recomputed.
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ class BlockPool:
         self._announce(run, GPU, session_id)
 
     def release(self, alloc: Allocation) -> None:
-        """Drop a request's hold; its cached blocks become evictable, tail first (vLLM frees blocks in reverse)."""
+        """Drop a request's hold; its cached blocks become evictable, tail first (vLLM frees blocks in reverse), and
+        are written to the CPU tier if there is one."""
+        if self.cpu_capacity > 0:
+            self._offload([block.key for block in alloc.pinned if self.gpu.get(block.key.block_hash) is block])
         self.free_slots += alloc.private_slots
         alloc.private_slots = 0
         for block in reversed(alloc.pinned):
@@ -130,8 +134,9 @@ class BlockPool:
                 self.evictable[h] = block
         alloc.pinned.clear()
 
-    def touch_cpu(self, keys: Iterable[BlockKey]) -> None:
-        for key in keys:
+    def touch_cpu(self, keys: list[BlockKey]) -> None:
+        """Make CPU-tier blocks a request uses the most recent there, head last (the tier evicts tails first)."""
+        for key in reversed(keys):
             self.cpu.move_to_end(key.block_hash)
 
     def reset(self, announce: bool = True) -> None:
@@ -158,18 +163,33 @@ class BlockPool:
         self.free_slots += 1
         self.evicted_blocks += 1
         self.events.append(BlockRemoved(block_hashes=[block.key.event_hash], medium=GPU))
-        if self.cpu_capacity > 0:
-            self._demote(block.key)
 
-    def _demote(self, key: BlockKey) -> None:
-        if key.block_hash in self.cpu:
-            self.cpu.move_to_end(key.block_hash)
+    def _offload(self, keys: list[BlockKey]) -> None:
+        """Write a request's cached blocks (in chain order) to the CPU tier. Each run of blocks not there yet is
+        announced as one ``BlockStored``, after the evictions that made room for it; those already there are made
+        recent first, so this write does not evict them, and the whole chain is the most recent after it, head last."""
+        self.touch_cpu([key for key in keys if key.block_hash in self.cpu])
+        run: list[BlockKey] = []
+        for key in keys:
+            if key.block_hash in self.cpu:
+                self._store_cpu(run)
+                run = []
+            else:
+                run.append(key)
+        self._store_cpu(run)
+        self.touch_cpu([key for key in keys if key.block_hash in self.cpu])
+
+    def _store_cpu(self, run: list[BlockKey]) -> None:
+        if not run:
             return
-        if len(self.cpu) >= self.cpu_capacity:
-            _, old = self.cpu.popitem(last=False)
-            self.events.append(BlockRemoved(block_hashes=[old.event_hash], medium=CPU))
-        self.cpu[key.block_hash] = key
-        self._announce([key], CPU)
+        run = run[: self.cpu_capacity]  # a chain longer than the whole tier keeps its head
+        overflow = len(self.cpu) + len(run) - self.cpu_capacity
+        if overflow > 0:
+            gone = [self.cpu.popitem(last=False)[1] for _ in range(overflow)]
+            self.events.append(BlockRemoved(block_hashes=[key.event_hash for key in gone], medium=CPU))
+        for key in reversed(run):
+            self.cpu[key.block_hash] = key
+        self._announce(run, CPU)
 
     def _announce(self, run: list[BlockKey], medium: str, session_id: str | None = None) -> None:
         if not run:

@@ -1,10 +1,10 @@
-"""The block pool: prefix reuse of full blocks, pinning, LRU eviction (tail first), CPU demotion, reset — and the
+"""The block pool: prefix reuse of full blocks, pinning, LRU eviction (tail first), the CPU tier, reset — and the
 vLLM events each of those emits."""
 
 from __future__ import annotations
 
 from kvgate.loadgen.sim.block_hash import block_chain
-from kvgate.loadgen.sim.kv_cache import Allocation, BlockPool
+from kvgate.loadgen.sim.kv_cache import Allocation, BlockPool, PrefixHit
 from kvgate.loadgen.sim.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -66,19 +66,62 @@ def test_hit_removes_block_from_eviction_queue() -> None:
     assert pool.available() == 2
 
 
-def test_eviction_demotes_to_cpu_and_cpu_evicts_lru() -> None:
+def test_a_finished_request_is_written_to_the_cpu_tier_which_evicts_its_lru() -> None:
+    """A request's blocks go to the CPU tier when it ends (vLLM's offloading connector stores what a request
+    computed), so the GPU's later eviction leaves them loadable; the CPU tier evicts its own oldest blocks."""
     pool = BlockPool(1, 4, cpu_blocks=1)
     pool.release(fill(pool, [1, 2, 3, 4]))
-    pool.release(fill(pool, [5, 6, 7, 8]))
     events = pool.take_events()
-    kinds = [(type(e).__name__, e.medium) for e in events]
-    assert kinds == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"), ("BlockStored", "GPU")]
-    assert events[2].token_ids == [1, 2, 3, 4]
-    assert pool.match(block_chain([1, 2, 3, 4, 0], 4), 1).cpu_blocks == 1
-    pool.allocate(Allocation(), 1)  # evicts [5..8] to CPU, pushing [1..4] out of the CPU tier
+    assert [(type(e).__name__, e.medium) for e in events] == [("BlockStored", "GPU"), ("BlockStored", "CPU")]
+    assert events[1].token_ids == [1, 2, 3, 4] and events[1].parent_block_hash is None
+    pool.release(fill(pool, [5, 6, 7, 8]))  # evicts [1..4] from the GPU; the CPU tier makes room for [5..8]
     events = pool.take_events()
     assert [(type(e).__name__, e.medium) for e in events] == [
-        ("BlockRemoved", "GPU"), ("BlockRemoved", "CPU"), ("BlockStored", "CPU")]
+        ("BlockRemoved", "GPU"), ("BlockStored", "GPU"), ("BlockRemoved", "CPU"), ("BlockStored", "CPU")]
+    assert pool.match(block_chain([1, 2, 3, 4, 0], 4), 1) == PrefixHit(0, 0)
+    assert pool.match(block_chain([5, 6, 7, 8, 0], 4), 1) == PrefixHit(1, 0)
+    pool.allocate(Allocation(), 1)  # the GPU evicts [5..8]: still in the CPU tier
+    assert [(type(e).__name__, e.medium) for e in pool.take_events()] == [("BlockRemoved", "GPU")]
+    assert pool.match(block_chain([5, 6, 7, 8, 0], 4), 1) == PrefixHit(0, 1)
+
+
+def test_the_cpu_tier_keeps_a_used_chain_and_evicts_tails_first() -> None:
+    pool = BlockPool(8, 4, cpu_blocks=3)
+    first = block_chain(list(range(8)), 4)
+    other = block_chain([50, 51, 52, 53], 4)
+    pool.release(fill(pool, list(range(8))))
+    pool.release(fill(pool, [50, 51, 52, 53]))
+    pool.touch_cpu(first)  # used again: the most recent, head last
+    pool.take_events()
+
+    def cpu_removed() -> list[list[int]]:
+        return [e.block_hashes for e in pool.take_events() if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+
+    pool.release(fill(pool, [100, 101, 102, 103]))
+    assert cpu_removed() == [[other[0].event_hash]]
+    pool.release(fill(pool, [200, 201, 202, 203]))
+    assert cpu_removed() == [[first[1].event_hash]]  # the chain's tail before its head
+    assert first[0].block_hash in pool.cpu and first[1].block_hash not in pool.cpu
+
+
+def test_a_chain_extended_past_what_the_cpu_tier_holds_keeps_its_head_there() -> None:
+    """A request that reuses a chain the CPU tier holds and adds blocks of its own: the tier's evictions for the new
+    blocks take other chains' blocks, and then the new blocks' own tail, never the chain's head."""
+    pool = BlockPool(8, 4, cpu_blocks=3)
+    head = block_chain(list(range(8)), 4)
+    pool.release(fill(pool, list(range(8))))
+    pool.release(fill(pool, [50, 51, 52, 53]))
+    pool.take_events()
+    longer = block_chain(list(range(12)), 4)
+    alloc = Allocation()
+    pool.pin(alloc, head)
+    assert pool.allocate(alloc, 1)
+    pool.commit(alloc, longer[2:])
+    pool.release(alloc)
+    assert all(key.block_hash in pool.cpu for key in head)
+    assert list(pool.cpu)[-1] == head[0].block_hash  # the head is the most recent
+    pool.release(fill(pool, [60, 61, 62, 63]))
+    assert longer[2].block_hash not in pool.cpu and head[0].block_hash in pool.cpu
 
 
 def test_reset_clears_everything_with_one_event() -> None:
