@@ -190,8 +190,9 @@ def describe_sim_speed(config: Path, time_scale: float) -> None:
     constants times ``time_scale``. A sim slowed down by ``time_scale`` is, to the router, an engine that much
     slower; with the engine-clock constants its predicted prefill times would be ``time_scale`` times too short
     next to the wall-clock rates it measures (arrivals, reuse), so it would price the delay a long prefill imposes
-    on a replica's next arrivals, which grows with rate × prefill², ``time_scale`` times too low. The KV link is
-    described the same way (setup × scale, bandwidth ÷ scale), so prefill and transfer stay priced alike."""
+    on a replica's next arrivals, which grows with rate × prefill², ``time_scale`` times too low. The KV link and
+    the load of a token from the CPU tier are described the same way (setup × scale, bandwidth ÷ scale, load ms ×
+    scale), so prefill, transfer and loads stay priced alike."""
     if time_scale == 1:
         return
     doc = yaml.safe_load(config.read_text()) or {}
@@ -203,6 +204,7 @@ def describe_sim_speed(config: Path, time_scale: float) -> None:
         transfer = doc.setdefault("transfer", {})
         transfer["setup_ms"] = sim.transfer_setup_ms * time_scale
         transfer["bandwidth_gib_s"] = sim.transfer_gib_s / time_scale
+        doc.setdefault("policy", {})["tier_load_ms_per_token"] = {"cpu": sim.cpu_load_ms(1) * time_scale}
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 

@@ -36,6 +36,8 @@ def test_a_slowed_sim_is_described_to_the_router_at_its_wall_clock_speed(tmp_pat
     assert prefill == {"fixed_ms": sim.request_overhead_ms * 4, "per_token_ms": sim.prefill_ms_per_token * 4}
     transfer = yaml.safe_load(config.read_text())["transfer"]
     assert transfer == {"setup_ms": sim.transfer_setup_ms * 4, "bandwidth_gib_s": sim.transfer_gib_s / 4}
+    policy = yaml.safe_load(config.read_text())["policy"]
+    assert policy == {"tier_load_ms_per_token": {"cpu": sim.cpu_load_ms(1) * 4}}
     KvgateConfig.model_validate(yaml.safe_load(config.read_text()))
 
 
