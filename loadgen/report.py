@@ -268,17 +268,20 @@ def prediction_audit(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """kvgate's predictions against the engine's model clock, per term, over the one-leg requests that have both
     sides of it (``audit_compared``: those with a TTFT and queue on both): per term its bias (median of predicted −
     engine) and its mean absolute error. A term that is persistently off shows as a bias; one that predicts nothing
-    as an error as large as the term. The interference term is also compared in total
+    as an error as large as the term. The load term is compared over the requests that loaded from a cached tier
+    on either side (``audit_load_compared``; most load nothing, and their zeros would hide its error) and in total
+    (``audit_load_total_ratio``, predicted over the engines'). The interference term is also compared in total
     (``audit_interference_total_ratio``, predicted over imposed): most single requests impose little or nothing,
     and what the term is for is the fleet's sum."""
     timed = [r for r in records if r.predicted_ttft_ms is not None and r.predicted_queue_ms is not None
              and r.engine_ttft_ms is not None and r.engine_queue_ms is not None]
     loaded = [r for r in timed if r.predicted_load_ms is not None and r.engine_load_ms is not None]
+    tiered = [r for r in loaded if r.predicted_load_ms or r.engine_load_ms]
     imposing = [r for r in timed if r.predicted_interference_ms is not None and r.engine_interference_ms is not None]
     errors: dict[str, list[float]] = {
         "ttft": [r.predicted_ttft_ms - r.engine_ttft_ms for r in timed],  # type: ignore[operator]
         "queue": [r.predicted_queue_ms - r.engine_queue_ms for r in timed],  # type: ignore[operator]
-        "load": [r.predicted_load_ms - r.engine_load_ms for r in loaded],  # type: ignore[operator]
+        "load": [r.predicted_load_ms - r.engine_load_ms for r in tiered],  # type: ignore[operator]
         "prefill": [
             (r.predicted_ttft_ms - r.predicted_queue_ms - r.predicted_load_ms)  # type: ignore[operator]
             - (r.engine_ttft_ms - r.engine_queue_ms - r.engine_load_ms)  # type: ignore[operator]
@@ -287,7 +290,7 @@ def prediction_audit(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "interference": [r.predicted_interference_ms - r.engine_interference_ms  # type: ignore[operator]
                          for r in imposing],
     }
-    out: dict[str, Any] = {"audit_compared": len(timed)}
+    out: dict[str, Any] = {"audit_compared": len(timed), "audit_load_compared": len(tiered)}
     for term in AUDIT_TERMS:
         values = errors[term]
         out[f"audit_{term}_bias_ms"] = statistics.median(values) if values else math.nan
@@ -295,6 +298,9 @@ def prediction_audit(records: Sequence[RequestRecord]) -> dict[str, Any]:
     imposed = sum(r.engine_interference_ms for r in imposing)  # type: ignore[misc]
     predicted = sum(r.predicted_interference_ms for r in imposing)  # type: ignore[misc]
     out["audit_interference_total_ratio"] = predicted / imposed if imposed > 0 else math.nan
+    engine_loads = sum(r.engine_load_ms for r in tiered)  # type: ignore[misc]
+    out["audit_load_total_ratio"] = (sum(r.predicted_load_ms for r in tiered)  # type: ignore[misc]
+                                     / engine_loads if engine_loads > 0 else math.nan)
     return out
 
 
@@ -306,9 +312,10 @@ def audit_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> 
         compared = summary.get("audit_compared")
         if _missing(compared) or not compared:
             continue
-        parts = [f"{term} bias {summary[f'audit_{term}_bias_ms']:+.1f} ms, "
-                 f"|error| {summary[f'audit_{term}_mae_ms']:.1f}" for term in AUDIT_TERMS
+        parts = [_term_line(summary, term) for term in AUDIT_TERMS
                  if not _missing(summary.get(f"audit_{term}_bias_ms"))]
+        if not summary.get("audit_load_compared"):
+            parts.append("no loads from a cached tier")
         ratio = summary.get("audit_interference_total_ratio")
         if not _missing(ratio):
             parts.append(f"interference predicted in total {ratio:.2f}× what prefills imposed")
@@ -316,6 +323,15 @@ def audit_lines(summaries: dict[str, dict[str, Any]], medians: bool = False) -> 
     heading = ("Predicted TTFT against the engine's clock (predicted − engine), per term"
                + (" (median across repeats)" if medians else "") + ":")
     return ["", heading, ""] + lines if lines else []
+
+
+def _term_line(summary: dict[str, Any], term: str) -> str:
+    line = f"{term} bias {summary[f'audit_{term}_bias_ms']:+.1f} ms, |error| {summary[f'audit_{term}_mae_ms']:.1f}"
+    if term != "load":
+        return line
+    ratio = summary.get("audit_load_total_ratio")
+    total = "" if _missing(ratio) else f", in total {ratio:.2f}× the engines'"
+    return f"{line} over {summary['audit_load_compared']:,.0f} requests with a load{total}"
 
 
 LAG_WARNING_MS = 100.0

@@ -149,27 +149,36 @@ def test_results_are_strict_json(tmp_path: Path) -> None:
 
 
 def test_the_prediction_audit_splits_the_error_into_its_terms() -> None:
-    records = [record(i, "a", 0.0, 0.1, 0.2) for i in range(4)]
-    # (predicted ttft, queue, load) against (engine ttft, queue, load): the queue over-predicted by 40 ms, the load
-    # under-predicted by 5 ms and the prefill by 10 in every request but the last, which the engine never reported.
-    pairs = [(100, 50, 0, 75, 10, 5), (200, 60, 10, 175, 20, 15), (90, 40, 0, 65, 0, 5), (80, 0, 0, None, None, None)]
+    records = [record(i, "a", 0.0, 0.1, 0.2) for i in range(5)]
+    # (predicted ttft, queue, load) against (engine ttft, queue, load): the prefill under-predicted by 10 ms in every
+    # request the engine reported (not the fourth); in the first three the queue over-predicted by 40 ms and the load
+    # under-predicted by 5; the fifth loads nothing on either side, so it is no part of the load term's error.
+    pairs = [(100, 50, 0, 75, 10, 5), (200, 60, 10, 175, 20, 15), (90, 40, 0, 65, 0, 5), (80, 0, 0, None, None, None),
+             (115, 50, 0, 75, 0, 0)]
     for r, (pt, pq, pl, et, eq, el) in zip(records, pairs):
         r.predicted_ttft_ms, r.predicted_queue_ms, r.predicted_load_ms = pt, pq, pl
         r.engine_ttft_ms, r.engine_queue_ms, r.engine_load_ms = et, eq, el
     # the interference term: 30 ms predicted for each, against 0, 20 and 100 ms imposed
-    for r, (predicted, imposed) in zip(records, [(30, 0), (30, 20), (30, 100), (30, None)]):
+    for r, (predicted, imposed) in zip(records, [(30, 0), (30, 20), (30, 100), (30, None), (None, None)]):
         r.predicted_interference_ms, r.engine_interference_ms = predicted, imposed
     audit = summarize(records)
-    assert audit["audit_compared"] == 3
-    assert audit["audit_ttft_bias_ms"] == pytest.approx(25) and audit["audit_ttft_mae_ms"] == pytest.approx(25)
-    assert audit["audit_queue_bias_ms"] == pytest.approx(40) and audit["audit_queue_mae_ms"] == pytest.approx(40)
+    assert audit["audit_compared"] == 4 and audit["audit_load_compared"] == 3
+    assert audit["audit_ttft_bias_ms"] == pytest.approx(25) and audit["audit_ttft_mae_ms"] == pytest.approx(28.75)
+    assert audit["audit_queue_bias_ms"] == pytest.approx(40) and audit["audit_queue_mae_ms"] == pytest.approx(42.5)
     assert audit["audit_load_bias_ms"] == pytest.approx(-5) and audit["audit_load_mae_ms"] == pytest.approx(5)
+    assert audit["audit_load_total_ratio"] == pytest.approx(10 / 25)
     assert audit["audit_prefill_bias_ms"] == pytest.approx(-10) and audit["audit_prefill_mae_ms"] == pytest.approx(10)
     assert audit["audit_interference_bias_ms"] == pytest.approx(10)
     assert audit["audit_interference_mae_ms"] == pytest.approx((30 + 10 + 70) / 3)
     assert audit["audit_interference_total_ratio"] == pytest.approx(90 / 120)
     line = audit_lines({"cost": audit})[-1]
-    assert "load bias -5.0 ms, |error| 5.0" in line and "interference predicted in total 0.75×" in line
+    assert "load bias -5.0 ms, |error| 5.0 over 3 requests with a load, in total 0.40× the engines'" in line
+    assert "interference predicted in total 0.75×" in line
+    for r in records:
+        r.predicted_load_ms = r.engine_load_ms = 0.0 if r.engine_load_ms is not None else None
+    unloaded = summarize(records)
+    assert unloaded["audit_load_compared"] == 0 and math.isnan(unloaded["audit_load_bias_ms"])
+    assert "no loads from a cached tier" in audit_lines({"cost": unloaded})[-1]
     blind = summarize([record(0, "a", 0.0, 0.1, 0.2)])  # a router that predicts nothing
     assert blind["audit_compared"] == 0 and math.isnan(blind["audit_ttft_bias_ms"])
     assert audit_lines({"round_robin": blind}) == []
