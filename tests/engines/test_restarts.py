@@ -28,42 +28,30 @@ def credits_for(gw: Gateway, replica: VllmReplica, bodies: list[dict[str, Any]])
     return [credited(rows(settled_explain(gw, body))[replica.name]) for body in bodies]
 
 
-def expect_credits(gw: Gateway, replica: VllmReplica, bodies: list[dict[str, Any]], expected: list[int],
+def expect_credits(gw: Gateway, replica: VllmReplica, bodies: list[dict[str, Any]], expected: list[int] | None,
                    timeout_s: float, what: str) -> None:
+    """Wait until ``gw`` credits ``expected`` on ``replica`` for ``bodies``; with None, what the engine's replay buffer
+    says it holds, read afresh on each poll (the engine publishes a request's blocks around the time it answers, not
+    strictly before)."""
     latest: list[int] = []
+    target: list[int] = [] if expected is None else expected
 
     def agrees() -> bool:
+        if expected is None:
+            target[:] = engine_truth(replica, bodies)
         latest[:] = credits_for(gw, replica, bodies)
-        return latest == expected
+        return latest == target
 
     try:
         wait_for(agrees, timeout_s, what)
     except AssertionError:
-        raise AssertionError(f"{what}: kvgate credits {latest} on {replica.name}, expected {expected}") from None
+        raise AssertionError(f"{what}: kvgate credits {latest} on {replica.name}, expected {target}") from None
 
 
 def engine_truth(replica: VllmReplica, bodies: list[dict[str, Any]]) -> list[int]:
     """What the engine would serve from cache for each body, from its own replay buffer."""
     state = replay_state(replica.replay_endpoint)
     return [state.reusable_tokens(tokenize(replica, body)) for body in bodies]
-
-
-def expect_engine_truth(gw: Gateway, replica: VllmReplica, bodies: list[dict[str, Any]], timeout_s: float,
-                        what: str) -> None:
-    """Wait until ``gw`` credits on ``replica`` what the engine's replay buffer says it holds, both read afresh
-    each time (the engine publishes a request's blocks around the time it answers, not strictly before)."""
-    latest: list[int] = []
-    truth: list[int] = []
-
-    def agrees() -> bool:
-        truth[:] = engine_truth(replica, bodies)
-        latest[:] = credits_for(gw, replica, bodies)
-        return latest == truth
-
-    try:
-        wait_for(agrees, timeout_s, what)
-    except AssertionError:
-        raise AssertionError(f"{what}: kvgate credits {latest} on {replica.name}, the engine holds {truth}") from None
 
 
 def process_start_time(replica: VllmReplica) -> float | None:
@@ -137,7 +125,7 @@ def test_engine_restarts_graceful_and_killed(
                     # reply: wait until both credit what the engine now holds before the next send.
                     served = by_name[turn.replica]
                     for watcher in (default, patient):
-                        expect_engine_truth(watcher, served, [body], 10.0, f"after restart {c} {label}")
+                        expect_credits(watcher, served, [body], None, 10.0, f"after restart {c} {label}")
     finally:
         patient.stop()
         default.stop()
