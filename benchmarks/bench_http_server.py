@@ -5,7 +5,7 @@ Each server reads a POST's body and answers a fixed JSON body of a completion's 
   with the policy file's default bounds and timeouts) and its route table, the endpoint answering with a Starlette
   ``Response`` as kvgate's endpoints do;
 - ``granian``: Granian (Rust HTTP, RSGI interface, one worker, one runtime thread, uvloop), when importable
-  (``pip install granian``);
+  (``pip install granian``), and ``granian-rust-tasks``, the same with Granian's Rust task implementation;
 - ``raw``: a bare httptools protocol on uvloop that writes its answer in the parser's callback: the least a Python
   server costs.
 
@@ -37,7 +37,7 @@ from kvgate.loadgen.procs import ChildProcess, interrupt_on_sigterm
 ANSWER = (b'{"id":"cmpl-1","object":"text_completion","model":"kvgate-sim","choices":[{"index":0,'
           b'"text":" the router keeps every cached prefix warm","finish_reason":"length"}],'
           b'"usage":{"prompt_tokens":512,"completion_tokens":16,"total_tokens":528}}')
-SERVERS = ("raw", "kvgate", "granian")
+SERVERS = ("raw", "kvgate", "granian", "granian-rust-tasks")
 
 
 def serve_kvgate(port: int) -> None:
@@ -80,13 +80,14 @@ async def rsgi_app(scope: object, protocol: object) -> None:
     protocol.response_bytes(200, headers, ANSWER)  # type: ignore[attr-defined]
 
 
-def serve_granian(port: int) -> None:
-    from granian.constants import Interfaces, Loops
+def serve_granian(port: int, rust_tasks: bool = False) -> None:
+    from granian.constants import Interfaces, Loops, TaskImpl
     from granian.log import LogLevels
     from granian.server import Server
 
     Server("bench_http_server:rsgi_app", address="127.0.0.1", port=port, interface=Interfaces.RSGI, workers=1,
-           runtime_threads=1, loop=Loops.uvloop, log_level=LogLevels.warning,
+           runtime_threads=1, loop=Loops.uvloop, task_impl=TaskImpl.rust if rust_tasks else TaskImpl.asyncio,
+           log_level=LogLevels.warning,
            working_dir=Path(__file__).resolve().parent).serve()
 
 
@@ -120,8 +121,9 @@ def serve_raw(port: int) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    names = [name for name in SERVERS if name != "granian" or importlib.util.find_spec("granian") is not None]
-    if "granian" not in names:
+    has_granian = importlib.util.find_spec("granian") is not None
+    names = [name for name in SERVERS if has_granian or not name.startswith("granian")]
+    if not has_granian:
         print("granian is not importable: pip install granian to compare it")
     targets: list[Target] = []
     with tempfile.TemporaryDirectory(prefix="bench-http-server-") as tmp:
@@ -140,7 +142,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     cpu[target.name].append(result.cpu_s / len(result.latencies_ms) * 1000.0)
             print(f"CPU ms per request, 2,000-character bodies, concurrency 64, {args.rounds} rounds:")
             for name, values in cpu.items():
-                print(f"  {name:<8} median {statistics.median(values):.4f}  rounds "
+                print(f"  {name:<18} median {statistics.median(values):.4f}  rounds "
                       + " ".join(f"{v:.4f}" for v in values))
             for name in names[1:]:
                 diffs = sorted(a - b for a, b in zip(cpu[name], cpu["raw"]))
@@ -162,7 +164,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5000, help="requests per server per round")
     args = parser.parse_args()
     if args.command == "serve":
-        {"kvgate": serve_kvgate, "granian": serve_granian, "raw": serve_raw}[args.server](args.port)
+        servers = {"raw": serve_raw, "kvgate": serve_kvgate, "granian": serve_granian,
+                   "granian-rust-tasks": functools.partial(serve_granian, rust_tasks=True)}
+        servers[args.server](args.port)
         return
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)  # stopped by kill or timeout: stop what it started
     asyncio.run(main_async(args))
