@@ -57,11 +57,11 @@ def serve_kvgate(port: int) -> None:
 
     routes = Routes()
     routes.add("POST", "/v1/completions", endpoint)
-    config = ServerConfig()
+    bounds = ServerConfig()  # the policy file's defaults
     protocol = functools.partial(
-        HttpProtocol, routes=routes, header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
-        max_header_bytes=config.max_header_bytes, max_headers=config.max_headers,
-        keep_alive_s=config.keep_alive_timeout_s,
+        HttpProtocol, routes=routes, header_timeout_s=bounds.header_timeout_s, body_timeout_s=bounds.body_timeout_s,
+        max_header_bytes=bounds.max_header_bytes, max_headers=bounds.max_headers,
+        keep_alive_s=bounds.keep_alive_timeout_s,
     )
 
     async def no_asgi_app(scope: object, receive: object, send: object) -> None:
