@@ -2,8 +2,8 @@
 
 Each server reads a POST's body and answers a fixed JSON body of a completion's size, nothing else:
 - ``kvgate``: kvgate's HTTP protocol (:mod:`kvgate.router.app.protocol`: httptools on uvloop, under uvicorn's server,
-  with the policy file's default bounds and timeouts) and its route table, the endpoint answering with a Starlette
-  ``Response`` as kvgate's endpoints do;
+  with the policy file's default bounds and timeouts) and its route table, the endpoint reading the body with
+  kvgate's own reader and answering with a Starlette ``Response``, as kvgate's endpoints do;
 - ``granian``: Granian (Rust HTTP, RSGI interface, one worker, one runtime thread, uvloop), when importable
   (``pip install granian``), and ``granian-rust-tasks``, the same with Granian's Rust task implementation;
 - ``raw``: a bare httptools protocol on uvloop that writes its answer in the parser's callback: the least a Python
@@ -49,15 +49,16 @@ def serve_kvgate(port: int) -> None:
     from kvgate.router.app.routes import Routes
     from kvgate.router.core.config import ServerConfig
     from kvgate.router.core.http import HttpRequest
+    from kvgate.router.pipeline.bodies import read_body
+
+    bounds = ServerConfig()  # the policy file's defaults
 
     async def endpoint(request: HttpRequest) -> Response:
-        async for _ in request.chunks():
-            pass
+        await read_body(request, bounds.max_body_bytes, bounds.body_timeout_s, None)
         return Response(ANSWER, media_type="application/json", headers={"x-request-id": "bench"})
 
     routes = Routes()
     routes.add("POST", "/v1/completions", endpoint)
-    bounds = ServerConfig()  # the policy file's defaults
     protocol = functools.partial(
         HttpProtocol, routes=routes, header_timeout_s=bounds.header_timeout_s, body_timeout_s=bounds.body_timeout_s,
         max_header_bytes=bounds.max_header_bytes, max_headers=bounds.max_headers,
