@@ -75,6 +75,8 @@ class SimRequest:
     abort_reason: str | None = None
     num_computed: int = 0
     committed_blocks: int = 0
+    offloaded_blocks: int = 0
+    """The prompt's leading blocks written to the CPU tier (or skipped: loaded from it) since its last admission."""
     prefill_started: bool = False
     prompt_tail: list[int] = field(default_factory=list)
     """The prompt's tokens after its last full block, kept to compute them again after a preemption."""
@@ -281,6 +283,7 @@ class Engine:
         req.state = State.WAITING
         req.num_computed = 0
         req.committed_blocks = 0
+        req.offloaded_blocks = 0
         req.prefill_started = False
         req.pending_load = []
         req.ready_at_ms = 0.0
@@ -466,6 +469,8 @@ class Engine:
         req.transferred_tokens = len(transfer_keys) * bs
         req.num_computed = hit_blocks * bs
         req.committed_blocks = hit_blocks
+        # vLLM's offloading connector stores the prefix hits too, unless the request loads from the tier.
+        req.offloaded_blocks = hit_blocks if cpu_keys else 0
         req.pending_load = transfer_keys + cpu_keys
         load_ms = self.params.cpu_load_ms(len(cpu_keys) * bs)
         if transfer_keys:
@@ -513,6 +518,7 @@ class Engine:
                 continue
             req.num_computed += n
             self.stats.prefill_tokens_computed += n
+            self._offload_computed(req)
             if req.num_computed == req.prompt_len:
                 req.first_token_clock_ms = self.clock_ms
                 req.first_token_wall = time.monotonic()
@@ -522,6 +528,14 @@ class Engine:
                 self._emit_token(req)
         if any(r.state is not State.RUNNING for r in self.running):
             self.running = [r for r in self.running if r.state is State.RUNNING]
+
+    def _offload_computed(self, req: SimRequest) -> None:
+        """The prompt's blocks this step computed go to the CPU tier as the step ends, as vLLM's offloading connector
+        stores each step's newly computed blocks."""
+        full = min(req.num_computed // self.params.block_size, len(req.chain))
+        if full > req.offloaded_blocks:
+            self.pool.offload(req.chain[req.offloaded_blocks : full])
+            req.offloaded_blocks = full
 
     def _emit_token(self, req: SimRequest) -> None:
         vocab = self.output_vocab
@@ -544,6 +558,7 @@ class Engine:
         while len(req.tail_tokens) >= bs:  # more than one block only after a preemption recomputed the output
             key = next_block(req.last_key, req.tail_tokens[:bs], req.cache_salt)
             self.pool.commit(req.alloc, [key], req.session_id)
+            self.pool.offload([key])
             req.last_key = key
             req.tail_tokens = req.tail_tokens[bs:]
 

@@ -4,9 +4,10 @@ Rules kept from vLLM's ``BlockPool``: only full blocks are cached, a block is fo
 running requests are pinned (reference counted), and unreferenced cached blocks stay reusable until evicted in LRU
 order (a finished request's blocks are queued tail first, so its last blocks go first). Every change is appended to
 ``events`` as vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``; the engine publishes them once per step.
-With a CPU tier, a request's blocks are written there as well when it ends (``BlockStored`` CPU, as vLLM's offloading
-connector stores what a request computed), the tier evicting its own least recently used blocks, so a block the GPU
-evicts later is loaded back from the CPU instead of recomputed.
+With a CPU tier, a request's blocks are written there as well once computed (``BlockStored`` CPU: vLLM's offloading
+connector stores each step's newly computed blocks), the tier evicting its own least recently used blocks, so a block
+the GPU evicts later is loaded back from the CPU instead of recomputed. When the request ends, its blocks there become
+the tier's most recent (the connector's ``on_request_finished``).
 """
 
 from __future__ import annotations
@@ -119,9 +120,9 @@ class BlockPool:
 
     def release(self, alloc: Allocation) -> None:
         """Drop a request's hold; its cached blocks become evictable, tail first (vLLM frees blocks in reverse), and
-        are written to the CPU tier if there is one."""
+        those the CPU tier holds become its most recent."""
         if self.cpu_capacity > 0:
-            self._offload([block.key for block in alloc.pinned if self.gpu.get(block.key.block_hash) is block])
+            self.touch_cpu([block.key for block in alloc.pinned if block.key.block_hash in self.cpu])
         self.free_slots += alloc.private_slots
         alloc.private_slots = 0
         for block in reversed(alloc.pinned):
@@ -138,6 +139,24 @@ class BlockPool:
         """Make CPU-tier blocks a request uses the most recent there, head last (the tier evicts tails first)."""
         for key in reversed(keys):
             self.cpu.move_to_end(key.block_hash)
+
+    def offload(self, keys: list[BlockKey]) -> None:
+        """Write blocks a request has computed (in chain order) to the CPU tier, if there is one. Each run of blocks not
+        there yet is announced as one ``BlockStored``, after the evictions that made room for it; those already there
+        are made recent first, so this write does not evict them, and the whole run is the most recent after it, head
+        last."""
+        if self.cpu_capacity == 0:
+            return
+        self.touch_cpu([key for key in keys if key.block_hash in self.cpu])
+        run: list[BlockKey] = []
+        for key in keys:
+            if key.block_hash in self.cpu:
+                self._store_cpu(run)
+                run = []
+            else:
+                run.append(key)
+        self._store_cpu(run)
+        self.touch_cpu([key for key in keys if key.block_hash in self.cpu])
 
     def reset(self, announce: bool = True) -> None:
         """Forget every cached block (vLLM's ``reset_prefix_cache``). Pinned blocks stay allocated as private slots."""
@@ -163,21 +182,6 @@ class BlockPool:
         self.free_slots += 1
         self.evicted_blocks += 1
         self.events.append(BlockRemoved(block_hashes=[block.key.event_hash], medium=GPU))
-
-    def _offload(self, keys: list[BlockKey]) -> None:
-        """Write a request's cached blocks (in chain order) to the CPU tier. Each run of blocks not there yet is
-        announced as one ``BlockStored``, after the evictions that made room for it; those already there are made
-        recent first, so this write does not evict them, and the whole chain is the most recent after it, head last."""
-        self.touch_cpu([key for key in keys if key.block_hash in self.cpu])
-        run: list[BlockKey] = []
-        for key in keys:
-            if key.block_hash in self.cpu:
-                self._store_cpu(run)
-                run = []
-            else:
-                run.append(key)
-        self._store_cpu(run)
-        self.touch_cpu([key for key in keys if key.block_hash in self.cpu])
 
     def _store_cpu(self, run: list[BlockKey]) -> None:
         if not run:

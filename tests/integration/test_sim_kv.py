@@ -72,7 +72,7 @@ def collect(sim: Sim, replica: int, action: Any, until: Any) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
-    # The CPU tier holds a copy of what the GPU does (written as each request ends), so it is the larger one.
+    # The CPU tier holds a copy of what the GPU does (written as each request computes it), so it is the larger one.
     s = start_sim(tmp_path_factory.mktemp("sim-small"), 1, "--time-scale", "0.01", "--kv-blocks", "16",
                   "--cpu-blocks", "64")
     yield s
@@ -105,7 +105,7 @@ def test_small_cache_evicts_from_the_gpu_and_loads_back_from_the_cpu_tier(small:
     removed = [e for e in removed if not_probe(e)]
     first_hashes = {k.event_hash for k in block_chain(tokens(small, first), 16)}
     assert removed[0].block_hashes[0] in first_hashes, "the least recently used prompt goes first"
-    # Each request's blocks were written to the CPU tier as it ended, so what the GPU evicts is still there.
+    # Each request's blocks were written to the CPU tier as they were computed, so what the GPU evicts is still there.
     cpu = {h for e in events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes}
     assert first_hashes <= cpu and removed[0].block_hashes[0] in cpu
     rid = uuid.uuid4().hex

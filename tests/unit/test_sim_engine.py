@@ -216,6 +216,22 @@ async def test_cpu_tier_hit_loads_instead_of_recomputing() -> None:
             t.cancel()
 
 
+async def test_computed_blocks_reach_the_cpu_tier_while_the_request_still_runs() -> None:
+    """vLLM's offloading connector stores each step's newly computed blocks, not a request's blocks as it ends: the
+    prompt is on the CPU tier (and announced there) by its first token, long before its last."""
+    harness = Harness(cpu_blocks=200, token_budget=4 * BS)
+    e = harness.engine()
+    try:
+        running = _submit(e, request(list(range(16 * BS)), max_tokens=500, streaming=True))
+        await until(running, lambda r: len(r.output) >= 1)
+        on_cpu = {h for ev in harness.events(0) if getattr(ev, "medium", None) == "CPU" for h in ev.block_hashes}
+        assert not running.finished
+        assert {key.event_hash for key in running.chain} <= on_cpu
+    finally:
+        for t in harness.tasks:
+            t.cancel()
+
+
 async def test_transfer_pulls_leased_blocks(h: Harness) -> None:
     src, dst = h.engine(), h.engine()
     doc = list(range(20_000, 28_000))

@@ -9,11 +9,12 @@ from kvgate.loadgen.sim.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def fill(pool: BlockPool, tokens: list[int], salt: str | None = None) -> Allocation:
-    """A request that computes all full blocks of ``tokens`` and finishes."""
+    """A request that computes all full blocks of ``tokens`` (cached, and written to the CPU tier if there is one)."""
     chain = block_chain(tokens, pool.block_size, salt)
     alloc = Allocation()
     assert pool.allocate(alloc, len(chain))
     pool.commit(alloc, chain)
+    pool.offload(chain)
     return alloc
 
 
@@ -66,13 +67,16 @@ def test_hit_removes_block_from_eviction_queue() -> None:
     assert pool.available() == 2
 
 
-def test_a_finished_request_is_written_to_the_cpu_tier_which_evicts_its_lru() -> None:
-    """A request's blocks go to the CPU tier when it ends (vLLM's offloading connector stores what a request
-    computed), so the GPU's later eviction leaves them loadable; the CPU tier evicts its own oldest blocks."""
+def test_computed_blocks_are_written_to_the_cpu_tier_which_evicts_its_lru() -> None:
+    """A request's blocks go to the CPU tier once computed, while it still runs (vLLM's offloading connector stores
+    each step's newly computed blocks), so the GPU's later eviction leaves them loadable; the CPU tier evicts its own
+    oldest blocks."""
     pool = BlockPool(1, 4, cpu_blocks=1)
-    pool.release(fill(pool, [1, 2, 3, 4]))
+    running = fill(pool, [1, 2, 3, 4])
     events = pool.take_events()
     assert [(type(e).__name__, e.medium) for e in events] == [("BlockStored", "GPU"), ("BlockStored", "CPU")]
+    pool.release(running)
+    assert pool.take_events() == []  # the end of the request writes nothing more
     assert events[1].token_ids == [1, 2, 3, 4] and events[1].parent_block_hash is None
     pool.release(fill(pool, [5, 6, 7, 8]))  # evicts [1..4] from the GPU; the CPU tier makes room for [5..8]
     events = pool.take_events()
@@ -117,6 +121,7 @@ def test_a_chain_extended_past_what_the_cpu_tier_holds_keeps_its_head_there() ->
     pool.pin(alloc, head)
     assert pool.allocate(alloc, 1)
     pool.commit(alloc, longer[2:])
+    pool.offload(longer)  # the step computed the new block: the request's whole chain goes to the tier
     pool.release(alloc)
     assert all(key.block_hash in pool.cpu for key in head)
     assert list(pool.cpu)[-1] == head[0].block_hash  # the head is the most recent
