@@ -29,7 +29,6 @@ class _Candidate:
     """Delay ``work_ms`` imposes on other requests arriving where it runs (:meth:`CostModel.interference_ms`)."""
     eviction_ms: float
     """Prefill the fleet loses to what the candidate's copy evicts (:func:`policies.capacity.copy_eviction_ms`)."""
-    load: int
     transfer: TransferEstimate | None = None
     """The handoff: a warm transfer's, or a disaggregated request's (``disaggregated``)."""
     stall_ms: float = 0.0
@@ -164,8 +163,10 @@ class CostPolicy:
         near = [c for c in candidates if c.score_ms <= best_score + margin]
         least_work = min(c.work_ms for c in near)
         near = [c for c in near if c.work_ms == least_work]
-        lowest_load = min(c.load for c in near)
-        near = [c for c in near if c.load == lowest_load]
+        if len(near) > 1:
+            loads = [replica_load(c.view) for c in near]
+            lowest_load = min(loads)
+            near = [c for c, load in zip(near, loads) if load == lowest_load]
         if any(c.transfer is None for c in near):
             near = [c for c in near if c.transfer is None]
         chosen = self._rng.choice(near)
@@ -206,10 +207,7 @@ class CostPolicy:
         bonus = cfg.session_bonus_ms if view.last_session_match else 0.0
         score = (ttft_ms + cfg.interference_weight * interference_ms + cfg.eviction_weight * eviction
                  + cfg.decode_stall_weight * stall_ms - bonus)
-        return _Candidate(
-            view, ttft_ms, score, work_ms, interference_ms, eviction, replica_load(view), transfer, stall_ms,
-            disaggregated,
-        )
+        return _Candidate(view, ttft_ms, score, work_ms, interference_ms, eviction, transfer, stall_ms, disaggregated)
 
     def _session_placement(
         self, request: RouteRequest, views: list[ReplicaView], estimates: dict[str, Estimate]
@@ -372,8 +370,10 @@ class CostPolicy:
     @staticmethod
     def _ranked(chosen: _Candidate, candidates: list[_Candidate]) -> list[str]:
         ranked = [chosen.view.name]
+        seen = {chosen.view.name}
         for c in sorted(candidates, key=lambda c: c.score_ms):
-            if c.view.name not in ranked:
+            if c.view.name not in seen:
+                seen.add(c.view.name)
                 ranked.append(c.view.name)
         return ranked
 

@@ -31,9 +31,16 @@ class Estimate:
     ttft_ms: float
     cached_tokens: int
     """Prompt tokens credited as cached (after the approximate-match weight), all tiers."""
-    cached_tokens_by_tier: dict[str, int]
+    gpu_tokens: int
+    """Of ``cached_tokens``, those on the GPU (or predicted there); the rest are loaded from the lower tiers."""
+    cpu_tokens: int
+    storage_tokens: int
     new_tokens: int = 0
     """Prompt tokens the replica computes and stores (not credited as cached)."""
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        return {"gpu": self.gpu_tokens, "cpu": self.cpu_tokens, "storage": self.storage_tokens}
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -305,7 +312,9 @@ class CostModel:
             load_ms=load_ms,
             ttft_ms=queue_ms + load_ms + prefill,
             cached_tokens=cached,
-            cached_tokens_by_tier={"gpu": gpu, "cpu": cpu, "storage": storage},
+            gpu_tokens=gpu,
+            cpu_tokens=cpu,
+            storage_tokens=storage,
             new_tokens=request.prompt_tokens - cached,
         )
 
