@@ -532,6 +532,8 @@ class Engine:
     def _offload_computed(self, req: SimRequest) -> None:
         """The prompt's blocks this step computed go to the CPU tier as the step ends, as vLLM's offloading connector
         stores each step's newly computed blocks."""
+        if not self.pool.cpu_capacity:
+            return
         full = min(req.num_computed // self.params.block_size, len(req.chain))
         if full > req.offloaded_blocks:
             self.pool.offload(req.chain[req.offloaded_blocks : full])
