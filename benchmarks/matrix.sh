@@ -4,7 +4,8 @@
 # it with nothing else on the machine); then benchmarks/matrix_report.py: cost's wins per repeat against every other
 # router, per workload, on mean and p99 TTFT.
 #   benchmarks/matrix.sh [OUT] [REPEATS] [WORKLOAD ...]   WORKLOAD = docs-tight docs-light trace synth turns agentic
-#                                                          shared unique azure (default all)
+#                                                          shared unique azure trace-late azure-code
+#                                                          (default all)
 #   POLICIES=cost,prefix_affinity benchmarks/matrix.sh ...  only these kvgate policies (the peers always run)
 #   BENCH_ARGS='--gateway-cpus 1' benchmarks/matrix.sh ...  more arguments for every bench
 set -uo pipefail
@@ -43,15 +44,17 @@ declare -A WORKLOADS=(
   [shared]="SHARED --kv-blocks 16384"
   [unique]="UNIQUE"
   [azure]="AZURE"
+  [trace-late]="TRACE_LATE --set admission.deadline_s=600"
+  [azure-code]="AZURE_CODE"
 )
-ORDER=(docs-tight docs-light trace synth turns agentic shared unique azure)
+ORDER=(docs-tight docs-light trace synth turns agentic shared unique azure trace-late azure-code)
 for name in "${@:-${ORDER[@]}}"; do
   spec=${WORKLOADS[$name]:-}
   [ -n "$spec" ] || { echo "unknown workload $name (one of: ${ORDER[*]})" >&2; exit 2; }
   args=()
   for word in $spec; do
     case $word in
-      DOCS|TIGHT|TRACE|SYNTH|TURNS|AGENT|SHARED|UNIQUE|AZURE) declare -n part=$word; args+=("${part[@]}"); unset -n part ;;
+      DOCS|TIGHT|TRACE|SYNTH|TURNS|AGENT|SHARED|UNIQUE|AZURE|TRACE_LATE|AZURE_CODE) declare -n part=$word; args+=("${part[@]}"); unset -n part ;;
       *) args+=("$word") ;;
     esac
   done

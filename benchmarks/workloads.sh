@@ -20,7 +20,14 @@ REPLAY=(--workload trace --requests 600 --speed 10 --time-scale 1 --kv-blocks 30
         --sim-args "--block-size 8 --max-model-len 24000")
 TRACE=("${REPLAY[@]}" --trace benchmarks/traces/conversation_trace.jsonl)
 SYNTH=("${REPLAY[@]}" --trace benchmarks/traces/synthetic_trace.jsonl)
+# The conversation trace half an hour in (its first 600 requests after 1,800 s that fit a replica): a window nothing was
+# tuned on, and more than the fleet can serve at 10x (every router's client TTFT averages ~28 s).
+TRACE_LATE=("${REPLAY[@]}" --trace benchmarks/traces/conversation_trace.jsonl --window 1800:3540)
 # The Azure LLM inference trace (conversation service): real arrivals and prompt and output lengths, no prefixes to
 # reuse, at 10x speed (~55 requests/s).
 AZURE=(--workload trace --trace benchmarks/traces/AzureLLMInferenceTrace_conv.csv --requests 1200 --speed 10
        --time-scale 1)
+# The same trace's code-completion service, never tuned on: prompts of 2,073 tokens on average in bursts, ~26
+# requests/s at 10x, no prefixes to reuse.
+AZURE_CODE=(--workload trace --trace benchmarks/traces/AzureLLMInferenceTrace_code.csv --requests 1200 --speed 10
+            --time-scale 1)
